@@ -1,0 +1,354 @@
+"""The one base class every agent_gym environment stands on.
+
+``TextEnv`` owns everything that must behave identically across environments: choosing a
+task from a seed or from options, counting turns (so no ``TimeLimit`` wrapper is needed,
+which would miscount after a restore), recording the action history with a digest of every
+observation, and restoring a saved state by replaying that history on a fresh task while
+checking each observation. Subclasses only describe their task: how an episode opens
+(``_start``) and what one action does (``_step``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector.utils import shared_memory
+
+from agent_gym.state import EnvState, StateError, StateMismatchError, digest
+
+MAX_OBSERVATION_CHARS = 1_000_000
+MAX_ACTION_CHARS = 1_000_000
+
+
+class UnicodeText(spaces.Text):
+    """A text space that accepts any unicode string up to ``max_length`` characters.
+
+    Gymnasium's ``Text`` rejects every character outside its charset, but model output and
+    tool output are arbitrary unicode. ``sample()`` still yields short printable strings so
+    random-action smoke tests (``check_env``) stay cheap.
+    """
+
+    def __init__(self, max_length: int, sample_max_length: int = 64, seed: int | None = None):
+        super().__init__(max_length=max_length, min_length=0, charset=string.printable, seed=seed)
+        self.sample_max_length = min(sample_max_length, max_length)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and len(x) <= self.max_length
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        length = int(self.np_random.integers(0, self.sample_max_length + 1))
+        return super().sample(mask=(length, None)) if length else ""
+
+    def __repr__(self) -> str:
+        return f"UnicodeText({self.max_length})"
+
+
+# Gymnasium stores Text observations in shared memory as charset indices, which cannot hold
+# arbitrary unicode, and reads them back as a copy that async vector envs never refresh.
+# UnicodeText stores a length and the code points, and reads back a live view.
+class SharedTexts(Sequence[str]):
+    """The strings in an async vector env's shared observation buffer, decoded on access."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        row = self._rows[index]
+        return row[1 : 1 + row[0]].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> tuple[str, ...]:
+        return tuple(self)
+
+    def __repr__(self) -> str:
+        return f"SharedTexts({tuple(self)!r})"
+
+
+@shared_memory.create_shared_memory.register(UnicodeText)
+def _create_unicode_memory(space: UnicodeText, n: int = 1, ctx: Any = multiprocessing) -> Any:
+    return ctx.Array("i", n * (space.max_length + 1))
+
+
+@shared_memory.read_from_shared_memory.register(UnicodeText)
+def _read_unicode_memory(space: UnicodeText, memory: Any, n: int = 1) -> SharedTexts:
+    rows = np.frombuffer(memory.get_obj(), dtype=np.int32).reshape(n, space.max_length + 1)
+    return SharedTexts(rows)
+
+
+@shared_memory.write_to_shared_memory.register(UnicodeText)
+def _write_unicode_memory(space: UnicodeText, index: int, value: str, memory: Any) -> None:
+    codes = np.frombuffer(value.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    start = index * (space.max_length + 1)
+    destination = np.frombuffer(memory.get_obj(), dtype=np.int32)
+    destination[start] = len(codes)
+    destination[start + 1 : start + 1 + len(codes)] = codes
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem an episode can be about; ``payload`` is whatever the env needs."""
+
+    task_id: str
+    payload: Mapping[str, Any]
+
+
+@dataclass
+class Opening:
+    """How an episode begins: the first observation and the chat an actor is shown.
+
+    ``privileged`` holds what a critic may see and the actor must not (reference answers,
+    gold passages, walkthroughs); it never enters ``messages``.
+    """
+
+    observation: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    privileged: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Transition:
+    """What one action did. ``role`` is the chat role of the message the env answers with."""
+
+    observation: str
+    reward: float = 0.0
+    terminated: bool = False
+    invalid: bool = False
+    role: str = "tool"
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class TextEnv(gymnasium.Env[str, str]):
+    """A text environment for LLM agents with replayable, verifiable save/restore.
+
+    Subclasses set ``env_id``, pass their tasks and their own constructor arguments to
+    ``__init__`` (so a saved state can rebuild an identical env elsewhere) and implement
+    ``_start`` and ``_step``. ``_step`` must be deterministic given the task and the actions
+    so far: that is what makes replay a faithful restore.
+    """
+
+    env_id: ClassVar[str] = ""
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        *,
+        max_turns: int,
+        env_kwargs: Mapping[str, Any],
+        max_action_chars: int = MAX_ACTION_CHARS,
+        render_mode: str | None = None,
+    ) -> None:
+        if not tasks:
+            raise ValueError(f"{type(self).__name__} was given no tasks")
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.tasks = list(tasks)
+        self._task_index = {task.task_id: i for i, task in enumerate(self.tasks)}
+        if len(self._task_index) != len(self.tasks):
+            raise ValueError("task ids must be unique")
+        self.max_turns = max_turns
+        self.max_action_chars = max_action_chars
+        self.render_mode = render_mode
+        self._env_kwargs = dict(env_kwargs)
+        self.observation_space = UnicodeText(MAX_OBSERVATION_CHARS)
+        self.action_space = UnicodeText(max_action_chars)
+        self._task: Task | None = None
+        self._seed: int | None = None
+        self._actions: list[str] = []
+        self._digests: list[str] = []
+        self._transcript: list[str] = []
+        self._done = False
+
+    # ----------------------------------------------------------------- subclass hooks
+    def _start(self, task: Task) -> Opening:
+        raise NotImplementedError
+
+    def _step(self, action: str) -> Transition:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Release engines, sandboxes or connections; called by ``close``."""
+
+    # ----------------------------------------------------------------- gymnasium API
+    @property
+    def turn(self) -> int:
+        return len(self._actions)
+
+    @property
+    def task(self) -> Task:
+        if self._task is None:
+            raise RuntimeError("call reset() before using the environment")
+        return self._task
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        options = dict(options or {})
+        state = options.pop("state", None)
+        if state is not None:
+            if options:
+                raise ValueError(f"options {sorted(options)} cannot be combined with 'state'")
+            return self._restore(state)
+        super().reset(seed=seed)
+        self._seed = seed
+        opening = self._begin(self._choose_task(options))
+        return opening.observation, self._opening_info(opening)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        if self._task is None:
+            raise RuntimeError("call reset() before step()")
+        if self._done:
+            raise RuntimeError("the episode is over; call reset() to start a new one")
+        if isinstance(action, bytes):
+            action = action.decode("utf-8", errors="replace")
+        elif not isinstance(action, str):
+            raise TypeError(f"an action is the assistant's text (str), got {type(action).__name__}")
+        if len(action) > self.max_action_chars:
+            result = Transition(
+                f"Error: the action is {len(action)} characters long; the limit is "
+                f"{self.max_action_chars}.",
+                invalid=True,
+            )
+        else:
+            result = self._step(action)
+        self._actions.append(action)
+        self._digests.append(digest(result.observation))
+        self._transcript.append(result.observation)
+        truncated = not result.terminated and self.turn >= self.max_turns
+        self._done = result.terminated or truncated
+        info = {
+            **result.info,
+            "message": {"role": result.role, "content": result.observation},
+            "invalid": result.invalid,
+            "turn": self.turn,
+        }
+        return result.observation, float(result.reward), result.terminated, truncated, info
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n---\n".join(self._transcript)
+
+    def close(self) -> None:
+        self._close()
+        super().close()
+
+    # ----------------------------------------------------------------- save / restore
+    def save_state(self) -> EnvState:
+        """The recipe to rebuild this episode exactly, anywhere; see ``agent_gym.state``."""
+        task = self.task
+        try:
+            kwargs = json.loads(json.dumps(self._env_kwargs))
+        except TypeError as err:
+            raise StateError(
+                f"{self.env_id} was built with constructor arguments that are not JSON "
+                f"serialisable, so its state cannot be saved: {err}"
+            ) from err
+        return EnvState(
+            env_id=self.env_id,
+            env_kwargs=kwargs,
+            task_id=task.task_id,
+            seed=self._seed,
+            actions=tuple(self._actions),
+            digests=tuple(self._digests),
+        )
+
+    def _restore(self, state: EnvState | str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        if isinstance(state, str | bytes):
+            state = EnvState.from_json(state)
+        elif isinstance(state, Mapping):
+            state = EnvState.from_dict(dict(state))
+        elif not isinstance(state, EnvState):
+            raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
+        if state.env_id != self.env_id:
+            raise StateError(f"state belongs to {state.env_id!r}, this env is {self.env_id!r}")
+        own_kwargs = json.loads(json.dumps(self._env_kwargs, default=repr))
+        if state.env_kwargs != own_kwargs:
+            raise StateError(
+                f"state was saved from {self.env_id} built with {state.env_kwargs}, this one was "
+                f"built with {own_kwargs}; use agent_gym.make_from_state(state)"
+            )
+        if state.task_id not in self._task_index:
+            raise StateError(f"task {state.task_id!r} of the saved state is not in this env's data")
+        super().reset(seed=state.seed)
+        self._seed = state.seed
+        opening = self._begin(self.tasks[self._task_index[state.task_id]])
+        self._check(0, state.digests[0], opening.observation)
+        observation = opening.observation
+        info: dict[str, Any] = {}
+        history: list[dict[str, Any]] = []
+        for step_index, action in enumerate(state.actions, start=1):
+            if self._done:
+                raise StateMismatchError(
+                    step_index, state.digests[step_index], "(episode already over)",
+                    f"the replayed episode ended before step {step_index}",
+                )
+            observation, _, _, _, info = self.step(action)
+            self._check(step_index, state.digests[step_index], observation)
+            history += [{"role": "assistant", "content": action}, info["message"]]
+        restored = self._opening_info(opening)
+        if state.actions:
+            restored["message"] = info["message"]
+            restored["invalid"] = info["invalid"]
+        # The chat after the opening messages, so a restored branch can rebuild its prompt.
+        restored["history"] = history
+        restored["restored_depth"] = state.depth
+        return observation, restored
+
+    @staticmethod
+    def _check(step_index: int, expected: str, observation: str) -> None:
+        actual = digest(observation)
+        if actual != expected:
+            raise StateMismatchError(step_index, expected, actual, observation)
+
+    # ----------------------------------------------------------------- internals
+    def _choose_task(self, options: Mapping[str, Any]) -> Task:
+        unknown = set(options) - {"task_id", "index"}
+        if unknown:
+            raise ValueError(
+                f"unknown reset options {sorted(unknown)}; use task_id, index or state"
+            )
+        if "task_id" in options:
+            task_id = options["task_id"]
+            if task_id not in self._task_index:
+                raise KeyError(f"no task with id {task_id!r} in {self.env_id}")
+            return self.tasks[self._task_index[task_id]]
+        if "index" in options:
+            index = options["index"]
+            if not isinstance(index, int | np.integer) or not 0 <= index < len(self.tasks):
+                raise IndexError(f"task index must be in [0, {len(self.tasks)}), got {index!r}")
+            return self.tasks[int(index)]
+        return self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+    def _begin(self, task: Task) -> Opening:
+        self._task = task
+        self._actions = []
+        self._done = False
+        opening = self._start(task)
+        self._digests = [digest(opening.observation)]
+        self._transcript = [opening.observation]
+        return opening
+
+    def _opening_info(self, opening: Opening) -> dict[str, Any]:
+        return {
+            "task_id": self.task.task_id,
+            "messages": opening.messages,
+            "tools": opening.tools,
+            "privileged": opening.privileged,
+            "turn": self.turn,
+        }

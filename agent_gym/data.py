@@ -1,0 +1,79 @@
+"""Loading task data: local JSONL or parquet files, the Hugging Face hub, bundled sets.
+
+Every env takes its data from one of three places, in this order: an explicit path, the
+hub (only when asked for and reachable), or the small original set that ships with the
+package so that everything runs offline.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+class DataError(ValueError):
+    """Task data cannot be read or does not have the fields an env needs."""
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records from a ``.jsonl``/``.json`` or ``.parquet`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix == ".json":
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(payload, list):
+            raise DataError(f"{path} must hold a JSON list of records")
+        return payload
+    if path.suffix != ".jsonl":
+        raise DataError(f"{path}: expected a .jsonl, .json or .parquet file")
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not valid JSON ({err})") from err
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{number}: each line must be a JSON object")
+            records.append(record)
+    return records
+
+
+def load_hub(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    """Records of a Hugging Face hub data set (needs the ``hub`` extra and a network)."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise DataError(
+            "loading from the hub needs the 'datasets' package: pip install 'agent-gym[hub]'"
+        ) from err
+    try:
+        return list(datasets.load_dataset(name, config, split=split))
+    except Exception as err:  # the library raises many kinds when offline
+        raise DataError(
+            f"could not load {name}/{config or ''} split {split!r} from the hub ({err}); "
+            "pass a local data_path instead"
+        ) from err
+
+
+def bundled(name: str) -> list[dict[str, Any]]:
+    """One of the original data sets shipped in ``agent_gym/datasets``."""
+    resource = resources.files("agent_gym") / "datasets" / f"{name}.jsonl"
+    with resources.as_file(resource) as path:
+        return load_records(path)
+
+
+def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], source: str) -> None:
+    for index, record in enumerate(records):
+        missing = [name for name in fields if name not in record]
+        if missing:
+            raise DataError(f"{source}: record {index} lacks the field(s) {missing}")

@@ -1,0 +1,102 @@
+"""GSM8K: grade-school math word problems, answered in ``\\boxed{}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent_gym import data
+from agent_gym.core import Opening, Task, TextEnv, Transition
+from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, extract_gsm8k_answer, score_math
+
+SYSTEM_PROMPT = (
+    "Solve the math problem. Think step by step, then give the final answer as a number "
+    "in \\boxed{}."
+)
+NO_ANSWER = "No final answer found: write the final answer inside \\boxed{}."
+
+
+class GSM8KEnv(TextEnv):
+    """Math word problems graded by math-verify.
+
+    Observation: the problem text at reset; after a step, a short note on what was read as
+    the answer (the reference is never revealed).
+    Action: the assistant's reply; its last ``\\boxed{...}`` is the answer.
+    Reward: ``reward_correct`` when math-verify finds the answer equivalent to the
+    reference, else ``reward_incorrect``.
+    Episode end: terminated after a boxed answer. With ``max_turns > 1`` a reply without
+    one is marked invalid and the user asks again; truncated once the turns run out.
+
+    Args:
+        data_path: a JSONL/parquet file with ``question`` and ``answer`` (GSM8K format,
+            ``#### n`` at the end); overrides ``hub_split``.
+        hub_split: load ``openai/gsm8k`` (config ``main``) from the hub, e.g. ``"test"``.
+            Neither given: the bundled original set.
+        max_turns: replies allowed (1 = single-turn).
+        reward_correct, reward_incorrect: the two reward values.
+        math_timeout: seconds allowed to math-verify per answer.
+    """
+
+    env_id = "agent_gym/GSM8K-v0"
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        hub_split: str | None = None,
+        max_turns: int = 1,
+        reward_correct: float = 1.0,
+        reward_incorrect: float = 0.0,
+        math_timeout: float = DEFAULT_MATH_TIMEOUT,
+        render_mode: str | None = None,
+    ) -> None:
+        super().__init__(
+            load_tasks(data_path, hub_split),
+            max_turns=max_turns,
+            env_kwargs={
+                "data_path": data_path, "hub_split": hub_split, "max_turns": max_turns,
+                "reward_correct": reward_correct, "reward_incorrect": reward_incorrect,
+                "math_timeout": math_timeout,
+            },
+            render_mode=render_mode,
+        )
+        self.reward_correct = reward_correct
+        self.reward_incorrect = reward_incorrect
+        self.math_timeout = math_timeout
+
+    def _start(self, task: Task) -> Opening:
+        question = task.payload["question"]
+        return Opening(
+            observation=question,
+            messages=[
+                {"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": question},
+            ],
+            privileged={"reference_answer": task.payload["reference"]},
+        )
+
+    def _step(self, action: str) -> Transition:
+        score = score_math(action, self.task.payload["reference"], self.math_timeout)
+        info: dict[str, Any] = {"answer": score.answer, "correct": score.correct}
+        if score.answer is None and self.turn + 1 < self.max_turns:
+            return Transition(NO_ANSWER, invalid=True, role="user", info=info)
+        reward = self.reward_correct if score.correct else self.reward_incorrect
+        observation = NO_ANSWER if score.answer is None else f"Final answer: {score.answer}"
+        return Transition(
+            observation, reward, terminated=True, invalid=score.answer is None, role="user",
+            info=info,
+        )
+
+
+def load_tasks(data_path: str | None, hub_split: str | None) -> list[Task]:
+    if data_path is not None:
+        records, source = data.load_records(data_path), data_path
+    elif hub_split is not None:
+        records, source = data.load_hub("openai/gsm8k", "main", hub_split), "openai/gsm8k"
+    else:
+        records, source = data.bundled("gsm8k_mini"), "bundled gsm8k_mini"
+    data.require_fields(records, ("question", "answer"), source)
+    tasks = []
+    for index, record in enumerate(records):
+        task_id = str(record.get("id", f"gsm8k-{hub_split or 'local'}-{index}"))
+        reference = extract_gsm8k_answer(record["answer"])
+        tasks.append(Task(task_id, {"question": record["question"], "reference": reference}))
+    return tasks

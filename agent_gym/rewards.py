@@ -1,0 +1,215 @@
+"""Reward functions shared by the envs: math answers and QA answers.
+
+math-verify guards its sympy work with ``signal.alarm``, which only works on the main
+thread; off it, parsing either raises or runs unbounded (pathological inputs were measured
+at 12 s to over 27 s). Rollouts call rewards from threads and from vector-env workers, so
+here every verification runs in a long-lived helper *process* that the caller can abandon
+and kill when the deadline passes. The helper is a plain subprocess, not
+``multiprocessing``: Gymnasium's async vector workers are daemonic and may not fork
+multiprocessing children.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import re
+import select
+import string
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import IO
+
+DEFAULT_MATH_TIMEOUT = 5.0
+_STARTUP_TIMEOUT = 60.0
+
+
+# ---------------------------------------------------------------------- answer extraction
+def extract_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text``, nested braces included."""
+    start = text.rfind("\\boxed{")
+    while start >= 0:
+        depth = 0
+        for i in range(start + len("\\boxed"), len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start + len("\\boxed{") : i].strip()
+        # Unclosed: an earlier, complete \boxed{} may still be the answer.
+        start = text.rfind("\\boxed{", 0, start)
+    return None
+
+
+def extract_gsm8k_answer(solution: str) -> str:
+    """The final number of a GSM8K reference solution (after ``####``), commas removed."""
+    if "####" not in solution:
+        raise ValueError("a GSM8K solution ends with '#### <answer>'; none found")
+    return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+# ---------------------------------------------------------------------- math equivalence
+class MathVerifier:
+    """math-verify equivalence with a hard per-call deadline, safe from any thread.
+
+    Keeps a few warm helper processes (importing sympy costs about a second); a helper that
+    misses the deadline is killed and replaced, and the answer counts as not equal.
+    """
+
+    def __init__(self, timeout: float = DEFAULT_MATH_TIMEOUT) -> None:
+        self.timeout = timeout
+        self._idle: list[subprocess.Popen[str]] = []
+        self._lock = threading.Lock()
+
+    def equal(self, prediction: str, reference: str) -> bool:
+        worker = self._checkout()
+        request = json.dumps({"prediction": prediction, "reference": reference})
+        try:
+            assert worker.stdin is not None and worker.stdout is not None
+            worker.stdin.write(request + "\n")
+            worker.stdin.flush()
+            line = _readline_before(worker.stdout, time.monotonic() + self.timeout)
+        except (OSError, TimeoutError):
+            _kill(worker)
+            return False
+        with self._lock:
+            self._idle.append(worker)
+        return bool(json.loads(line).get("equal", False))
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self._idle = self._idle, []
+        for worker in workers:
+            _kill(worker)
+
+    def _checkout(self) -> subprocess.Popen[str]:
+        with self._lock:
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.poll() is None:
+                    return worker
+        worker = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_SOURCE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        assert worker.stdout is not None
+        try:  # the helper says "ready" once math-verify is imported
+            _readline_before(worker.stdout, time.monotonic() + _STARTUP_TIMEOUT)
+        except (OSError, TimeoutError) as err:
+            _kill(worker)
+            raise RuntimeError("the math-verify helper process failed to start") from err
+        return worker
+
+
+def _readline_before(stream: IO[str], deadline: float) -> str:
+    ready, _, _ = select.select([stream.fileno()], [], [], max(deadline - time.monotonic(), 0.0))
+    if not ready:
+        raise TimeoutError
+    line = stream.readline()
+    if not line:
+        raise OSError("math-verify helper exited")
+    return line
+
+
+def _kill(worker: subprocess.Popen[str]) -> None:
+    worker.kill()
+    worker.wait()
+    for stream in (worker.stdin, worker.stdout):
+        if stream is not None:
+            stream.close()
+
+
+# The helper runs math-verify on its own main thread with math-verify's alarms disabled:
+# the parent enforces the deadline by killing the helper.
+_WORKER_SOURCE = """
+import json, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from math_verify import parse, verify
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    try:
+        gold = parse("\\\\boxed{" + request["reference"] + "}", parsing_timeout=None)
+        pred = parse("\\\\boxed{" + request["prediction"] + "}", parsing_timeout=None)
+        equal = bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=None)
+    except Exception:
+        equal = False
+    sys.stdout.write(json.dumps({"equal": bool(equal)}) + "\\n")
+    sys.stdout.flush()
+"""
+
+_shared_verifier: MathVerifier | None = None
+_shared_lock = threading.Lock()
+
+
+def math_equal(prediction: str, reference: str, timeout: float = DEFAULT_MATH_TIMEOUT) -> bool:
+    """Whether two math answers are equivalent (``1/2`` == ``0.5`` == ``\\frac{1}{2}``)."""
+    global _shared_verifier
+    with _shared_lock:
+        if _shared_verifier is None:
+            _shared_verifier = MathVerifier(timeout)
+            atexit.register(_shared_verifier.close)
+        verifier = _shared_verifier
+    if verifier.timeout != timeout:
+        verifier = MathVerifier(timeout)
+        try:
+            return verifier.equal(prediction, reference)
+        finally:
+            verifier.close()
+    return verifier.equal(prediction, reference)
+
+
+@dataclass(frozen=True)
+class MathScore:
+    """How a response's final answer compares with the reference."""
+
+    answer: str | None  # the extracted \\boxed{} content; None when there is none
+    correct: bool
+
+
+def score_math(response: str, reference: str, timeout: float = DEFAULT_MATH_TIMEOUT) -> MathScore:
+    """Grade the last ``\\boxed{}`` answer of ``response`` against ``reference``."""
+    answer = extract_boxed(response)
+    if not answer:
+        return MathScore(answer, False)
+    return MathScore(answer, math_equal(answer, reference, timeout))
+
+
+# ---------------------------------------------------------------------- QA answers
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD / Search-R1 normalisation: lower case, no punctuation, articles or extra spaces."""
+    text = _ARTICLES_RE.sub(" ", text.lower().translate(_PUNCTUATION))
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, golds: list[str]) -> bool:
+    normalized = normalize_answer(prediction)
+    return any(normalized == normalize_answer(gold) for gold in golds)
+
+
+def f1_score(prediction: str, golds: list[str]) -> float:
+    """Best token-overlap F1 of ``prediction`` against any gold answer."""
+    predicted = normalize_answer(prediction).split()
+    best = 0.0
+    for gold in golds:
+        reference = normalize_answer(gold).split()
+        overlap = sum((Counter(predicted) & Counter(reference)).values())
+        if overlap:
+            precision, recall = overlap / len(predicted), overlap / len(reference)
+            best = max(best, 2 * precision * recall / (precision + recall))
+        elif predicted == reference:
+            best = max(best, 1.0)
+    return best

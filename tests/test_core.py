@@ -1,0 +1,146 @@
+"""The TextEnv contract, exercised through GSM8K-v0 (the smallest env)."""
+
+import string
+
+import gymnasium
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from agent_gym import Opening, Task, TextEnv, Transition, UnicodeText
+
+MALFORMED_ACTIONS = {
+    "empty": "",
+    "one megabyte": "x" * (1 << 20),
+    "binary bytes": bytes(range(256)) * 4,
+    "control characters": "\x00\x01\x1b[31m\udcff",
+    "unbalanced tags": "<tool_call>{\"name\": \"x\"",
+    "two tool calls": "<tool_call>{}</tool_call><tool_call>{}</tool_call>",
+    "invalid JSON": "<tool_call>{name: x}</tool_call>",
+    "unclosed boxed": "the answer is \\boxed{12",
+}
+
+
+def test_check_env_passes() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=3)
+    check_env(env.unwrapped, skip_render_check=False)
+
+
+def test_reset_info_contract_and_privileged_stays_out_of_the_prompt() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0")
+    observation, info = env.reset(seed=3)
+    assert {"task_id", "messages", "tools", "privileged"} <= set(info)
+    assert [m["role"] for m in info["messages"]] == ["system", "user"]
+    assert info["messages"][-1]["content"] == observation
+    reference = info["privileged"]["reference_answer"]
+    assert all(f"#### {reference}" not in m["content"] for m in info["messages"])
+
+
+def test_seed_and_options_choose_the_task() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0")
+    first = env.reset(seed=11)[1]["task_id"]
+    assert env.reset(seed=11)[1]["task_id"] == first
+    assert env.reset(options={"task_id": "agsm-004"})[1]["task_id"] == "agsm-004"
+    assert env.reset(options={"index": 0})[1]["task_id"] == env.unwrapped.tasks[0].task_id
+    with pytest.raises(KeyError, match="no task"):
+        env.reset(options={"task_id": "missing"})
+    with pytest.raises(ValueError, match="unknown reset options"):
+        env.reset(options={"tsk_id": "agsm-004"})
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED_ACTIONS))
+def test_malformed_actions_return_an_invalid_observation(name: str) -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=3)
+    env.reset(seed=0)
+    observation, reward, terminated, truncated, info = env.step(MALFORMED_ACTIONS[name])
+    assert info["invalid"] is True
+    assert observation and info["message"]["content"] == observation
+    assert reward == 0.0 and not terminated and not truncated
+
+
+class EchoEnv(TextEnv):
+    """The smallest TextEnv: echoes actions and never ends by itself."""
+
+    env_id = "tests/Echo-v0"
+
+    def __init__(self, max_turns: int) -> None:
+        super().__init__([Task("only", {})], max_turns=max_turns, env_kwargs={})
+
+    def _start(self, task: Task) -> Opening:
+        return Opening("say something", [{"role": "user", "content": "say something"}])
+
+    def _step(self, action: str) -> Transition:
+        return Transition(f"you said {action!r}", role="user")
+
+
+def test_turn_budget_truncates_inside_the_env_and_survives_restore() -> None:
+    env = EchoEnv(max_turns=3)
+    env.reset(seed=0)
+    assert env.step("a")[3] is False
+    state = env.save_state()
+    branch = EchoEnv(max_turns=3)
+    branch.reset(options={"state": state})
+    for candidate in (env, branch):
+        assert candidate.step("b")[3] is False
+        *_, terminated, truncated, info = candidate.step("c")
+        assert truncated is True and terminated is False and info["turn"] == 3
+        with pytest.raises(RuntimeError, match="episode is over"):
+            candidate.step("again")
+
+
+def test_gsm8k_grades_the_last_allowed_reply_even_without_an_answer() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=2)
+    env.reset(seed=0)
+    assert env.step("hmm")[2:4] == (False, False)
+    _, reward, terminated, truncated, info = env.step("still no answer")
+    assert (reward, terminated, truncated, info["invalid"]) == (0.0, True, False, True)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3, 4])
+def test_restore_at_every_depth_reproduces_the_episode(depth: int) -> None:
+    actions = ["let me think", "<tool_call>oops", "", "still thinking", "so \\boxed{7}"]
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=5)
+    observation, _ = env.reset(seed=5)
+    for action in actions[:depth]:
+        observation, *_ = env.step(action)
+    state = env.unwrapped.save_state()
+    branch = gymnasium.make("agent_gym/GSM8K-v0", max_turns=5)
+    restored, info = branch.reset(options={"state": state})
+    assert restored == observation
+    assert info["turn"] == depth and len(info["history"]) == 2 * depth
+    assert branch.unwrapped.save_state() == state
+    # Both continue identically from the restored point.
+    assert env.step(actions[-1])[:4] == branch.step(actions[-1])[:4]
+
+
+def test_async_vector_env_restores_branches_from_one_state() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=3)
+    env.reset(seed=2)
+    env.step("not yet, but ünïcödé ✓ and \udcff survive shared memory")
+    state = env.unwrapped.save_state()
+    vec = gymnasium.make_vec(
+        "agent_gym/GSM8K-v0", num_envs=2, vectorization_mode="async", max_turns=3
+    )
+    try:
+        observations, infos = vec.reset(options={"state": state})
+        assert list(observations) == [env.unwrapped._transcript[-1]] * 2
+        assert list(infos["turn"]) == [1, 1]
+        reference = env.unwrapped.task.payload["reference"]
+        _, rewards, terminated, _, _ = vec.step([f"\\boxed{{{reference}}}", "\\boxed{-1}"])
+        assert list(rewards) == [1.0, 0.0]
+        assert list(terminated) == [True, True]
+    finally:
+        vec.close()
+
+
+def test_unicode_text_space_accepts_any_text_and_samples_printable() -> None:
+    space = UnicodeText(max_length=10, seed=0)
+    assert space.contains("héllo ✓") and not space.contains("x" * 11) and not space.contains(3)
+    samples = [space.sample() for _ in range(50)]
+    assert all(set(s) <= set(string.printable) for s in samples)
+    assert all(space.contains(s) for s in samples)
+    assert any(samples)
+
+
+def test_base_class_refuses_bad_construction() -> None:
+    with pytest.raises(ValueError, match="no tasks"):
+        TextEnv([], max_turns=1, env_kwargs={})

@@ -1,0 +1,94 @@
+import threading
+import time
+
+import pytest
+
+from agent_gym.rewards import (
+    MathVerifier,
+    exact_match,
+    extract_boxed,
+    extract_gsm8k_answer,
+    f1_score,
+    math_equal,
+    normalize_answer,
+    score_math,
+)
+
+# A power tower that sympy tries to evaluate for far longer than any deadline.
+HANGS_MATH_VERIFY = "9" * 100_000 + "^" + "9" * 100_000
+
+
+def test_extract_boxed_takes_the_last_and_keeps_nested_braces() -> None:
+    assert extract_boxed("first \\boxed{1}, then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert extract_boxed("\\boxed{x^{2} + {y}}") == "x^{2} + {y}"
+    assert extract_boxed("\\boxed{3} then an unclosed \\boxed{4") == "3"
+    assert extract_boxed("no box") is None
+
+
+def test_extract_gsm8k_answer() -> None:
+    assert extract_gsm8k_answer("3 + 4 = 7 apples.\n#### 1,007") == "1007"
+    with pytest.raises(ValueError, match="####"):
+        extract_gsm8k_answer("no marker")
+
+
+@pytest.mark.parametrize(
+    ("prediction", "reference", "equal"),
+    [
+        ("0.5", "\\frac{1}{2}", True),
+        ("\\frac{3}{4}", "0.75", True),
+        ("1,000", "1000", True),
+        ("2\\sqrt{2}", "\\sqrt{8}", True),
+        ("73", "72", False),
+        ("x^{", "2", False),  # malformed LaTeX is simply not equal
+        ("\\sqrt{", "2", False),
+    ],
+)
+def test_math_equivalence(prediction: str, reference: str, equal: bool) -> None:
+    assert math_equal(prediction, reference) is equal
+
+
+def test_score_math_without_an_answer() -> None:
+    assert score_math("I think it is 4", "4").correct is False
+    assert score_math("so \\boxed{4}", "4").correct is True
+
+
+def test_a_hanging_input_returns_within_the_timeout_from_a_worker_thread() -> None:
+    verifier = MathVerifier(timeout=1.0)
+    verifier.equal("1", "1")  # warm the helper so only the hard case is timed
+    results: list[tuple[bool, float]] = []
+
+    def grade() -> None:
+        started = time.monotonic()
+        results.append((verifier.equal(HANGS_MATH_VERIFY, "1"), time.monotonic() - started))
+
+    worker = threading.Thread(target=grade)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive()
+    equal, elapsed = results[0]
+    assert equal is False and elapsed < 10
+    assert verifier.equal("2", "2") is True  # the killed helper was replaced
+    verifier.close()
+
+
+def test_many_threads_share_the_verifier() -> None:
+    outcomes: dict[int, bool] = {}
+
+    def grade(n: int) -> None:
+        outcomes[n] = math_equal(str(n), f"{n}.0")
+
+    threads = [threading.Thread(target=grade, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes == {n: True for n in range(8)}
+
+
+def test_qa_normalisation_exact_match_and_f1() -> None:
+    assert normalize_answer("The  Eiffel Tower!") == "eiffel tower"
+    assert exact_match("the eiffel tower", ["Eiffel Tower", "tour eiffel"])
+    assert not exact_match("eiffel", ["Eiffel Tower"])
+    assert f1_score("eiffel", ["Eiffel Tower"]) == pytest.approx(2 / 3)
+    assert f1_score("paris", ["Eiffel Tower"]) == 0.0
+    assert f1_score("", [""]) == 1.0

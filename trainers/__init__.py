@@ -1,0 +1,1 @@
+"""trainers: token-level episodes, Datums, rollouts, backends, GRPO and TEMPO."""
