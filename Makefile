@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 run: setup
-	$(BIN)/agent-gym envs
+	$(BIN)/agent-gym eval --suite default --out runs/eval-default
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

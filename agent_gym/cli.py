@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 import gymnasium
 
 import agent_gym
+from agent_gym.eval import EvalConfig, evaluate, format_table
+from agent_gym.policies import make_policy
+
+# Suites run every policy given on the env list below: bundled data only, so they work
+# offline. Each entry: env id, constructor arguments, episodes.
+SUITES: dict[str, list[tuple[str, dict[str, Any], int]]] = {
+    "default": [
+        ("agent_gym/GSM8K-v0", {}, 6),
+    ],
+}
+SUITE_POLICIES = ["oracle", "local"]
 
 
 def _list_envs(_: argparse.Namespace) -> int:
@@ -25,6 +39,47 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _env_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _eval(args: argparse.Namespace) -> int:
+    if (args.env_id is None) == (args.suite is None):
+        raise SystemExit("agent-gym eval: give either an ENV_ID or --suite NAME")
+    if args.suite is not None:
+        if args.suite not in SUITES:
+            raise SystemExit(f"unknown suite {args.suite!r}; known: {sorted(SUITES)}")
+        plan = SUITES[args.suite]
+        policies = args.policy or SUITE_POLICIES
+    else:
+        kwargs = dict(args.env_arg)
+        if args.split is not None:
+            kwargs["split"] = args.split
+        plan = [(args.env_id, kwargs, args.episodes or 10)]
+        policies = args.policy or ["oracle"]
+    summaries = []
+    for policy_spec in policies:
+        policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens)
+        for env_id, kwargs, episodes in plan:
+            config = EvalConfig(env_id, policy_spec, args.episodes or episodes, args.seed, kwargs)
+            out_dir = Path(args.out)
+            if args.suite is not None:
+                out_dir = out_dir / env_id.removeprefix("agent_gym/") / policy_spec.replace(
+                    "/", "_").replace(":", "_")
+            summaries.append(asyncio.run(
+                evaluate(config, policy, out_dir, concurrency=args.concurrency,
+                         progress=not args.quiet)
+            ))
+    print(format_table(summaries))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="agent-gym", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +89,28 @@ def build_parser() -> argparse.ArgumentParser:
     replay = commands.add_parser("replay", help="restore a saved EnvState JSON and verify it")
     replay.add_argument("state", help="path to a state saved with EnvState.to_json()")
     replay.set_defaults(run=_replay)
+
+    evaluation = commands.add_parser(
+        "eval", help="benchmark a policy on an env (or a suite), resumable",
+        description="Run episodes concurrently, log each to DIR/episodes.jsonl (resumable), "
+        "and print a summary table.",
+    )
+    evaluation.add_argument("env_id", nargs="?", help="e.g. agent_gym/GSM8K-v0")
+    evaluation.add_argument("--suite", help=f"run a suite instead: {', '.join(SUITES)}")
+    evaluation.add_argument(
+        "--policy", action="append",
+        help="oracle | random | openai:MODEL@BASE_URL[#text] | local[:MODEL]; repeatable",
+    )
+    evaluation.add_argument("--episodes", type=int, default=None)
+    evaluation.add_argument("--concurrency", type=int, default=4)
+    evaluation.add_argument("--out", required=True, help="run directory (resumed if it exists)")
+    evaluation.add_argument("--split", help="data split, passed to the env as split=")
+    evaluation.add_argument("--seed", type=int, default=0, help="episode i plays seed+i")
+    evaluation.add_argument("--max-tokens", type=int, default=256, help="per model reply")
+    evaluation.add_argument("--env-arg", type=_env_arg, action="append", default=[],
+                            metavar="KEY=VALUE", help="env constructor argument (JSON value)")
+    evaluation.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluation.set_defaults(run=_eval)
     return parser
 
 

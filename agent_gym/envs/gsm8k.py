@@ -28,8 +28,8 @@ class GSM8KEnv(TextEnv):
 
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``answer`` (GSM8K format,
-            ``#### n`` at the end); overrides ``hub_split``.
-        hub_split: load ``openai/gsm8k`` (config ``main``) from the hub, e.g. ``"test"``.
+            ``#### n`` at the end); overrides ``split``.
+        split: load ``openai/gsm8k`` (config ``main``) from the hub, e.g. ``"test"``.
             Neither given: the bundled original set.
         max_turns: replies allowed (1 = single-turn).
         reward_correct, reward_incorrect: the two reward values.
@@ -41,7 +41,7 @@ class GSM8KEnv(TextEnv):
     def __init__(
         self,
         data_path: str | None = None,
-        hub_split: str | None = None,
+        split: str | None = None,
         max_turns: int = 1,
         reward_correct: float = 1.0,
         reward_incorrect: float = 0.0,
@@ -49,10 +49,10 @@ class GSM8KEnv(TextEnv):
         render_mode: str | None = None,
     ) -> None:
         super().__init__(
-            load_tasks(data_path, hub_split),
+            load_tasks(data_path, split),
             max_turns=max_turns,
             env_kwargs={
-                "data_path": data_path, "hub_split": hub_split, "max_turns": max_turns,
+                "data_path": data_path, "split": split, "max_turns": max_turns,
                 "reward_correct": reward_correct, "reward_incorrect": reward_incorrect,
                 "math_timeout": math_timeout,
             },
@@ -70,7 +70,10 @@ class GSM8KEnv(TextEnv):
                 {"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": question},
             ],
-            privileged={"reference_answer": task.payload["reference"]},
+            privileged={
+                "reference_answer": task.payload["reference"],
+                "oracle_actions": [f"The answer is \\boxed{{{task.payload['reference']}}}."],
+            },
         )
 
     def _step(self, action: str) -> Transition:
@@ -86,17 +89,17 @@ class GSM8KEnv(TextEnv):
         )
 
 
-def load_tasks(data_path: str | None, hub_split: str | None) -> list[Task]:
+def load_tasks(data_path: str | None, split: str | None) -> list[Task]:
     if data_path is not None:
         records, source = data.load_records(data_path), data_path
-    elif hub_split is not None:
-        records, source = data.load_hub("openai/gsm8k", "main", hub_split), "openai/gsm8k"
+    elif split is not None:
+        records, source = data.load_hub("openai/gsm8k", "main", split), "openai/gsm8k"
     else:
         records, source = data.bundled("gsm8k_mini"), "bundled gsm8k_mini"
     data.require_fields(records, ("question", "answer"), source)
     tasks = []
     for index, record in enumerate(records):
-        task_id = str(record.get("id", f"gsm8k-{hub_split or 'local'}-{index}"))
+        task_id = str(record.get("id", f"gsm8k-{split or 'local'}-{index}"))
         reference = extract_gsm8k_answer(record["answer"])
         tasks.append(Task(task_id, {"question": record["question"], "reference": reference}))
     return tasks

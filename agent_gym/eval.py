@@ -1,0 +1,281 @@
+"""Benchmark a policy on an env: concurrent episodes, a JSONL log you can resume, a summary.
+
+The run directory is the unit of work. ``config.json`` pins what is measured (env, its
+arguments, policy, seed); ``episodes.jsonl`` gets one line per finished episode, flushed
+and fsynced before the next is written, so a run killed at any moment (even SIGKILL)
+resumes where it stopped: finished episodes are kept, a half-written last line is cut
+off, and only the missing episode indices run again. Episode ``i`` always plays the task
+chosen by seed ``seed + i``, so a resumed run measures exactly what an unbroken one would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+from tqdm import tqdm
+
+import agent_gym  # noqa: F401  (registers the envs)
+from agent_gym.policies import Policy, PolicyInput
+
+EPISODES_FILE = "episodes.jsonl"
+ERRORS_FILE = "errors.jsonl"
+
+
+class RunMismatchError(ValueError):
+    """A run directory already holds a run of something else."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    env_id: str
+    policy: str
+    episodes: int
+    seed: int = 0
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def same_run(self, other: EvalConfig) -> bool:
+        """Whether ``other`` measures the same thing (it may ask for more episodes)."""
+        return (self.env_id, self.policy, self.seed, self.env_kwargs) == (
+            other.env_id, other.policy, other.seed, other.env_kwargs
+        )
+
+
+@dataclass(frozen=True)
+class Summary:
+    env_id: str
+    policy: str
+    episodes: int
+    errors: int
+    success_rate: float
+    success_low: float
+    success_high: float
+    mean_reward: float
+    mean_turns: float
+    mean_tokens: float | None
+    latency_p50: float
+    latency_p95: float
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval: honest at 0%, 100% and small n, unlike the normal one."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (
+        1 + z * z / trials
+    )
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = (len(ordered) - 1) * q
+    low, high = math.floor(rank), math.ceil(rank)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(config: EvalConfig, records: list[dict[str, Any]], errors: int) -> Summary:
+    n = len(records)
+    successes = sum(bool(r["success"]) for r in records)
+    low, high = wilson_interval(successes, n)
+    tokens = [r["completion_tokens"] for r in records if r["completion_tokens"] is not None]
+    latencies = [r["latency_s"] for r in records]
+    return Summary(
+        env_id=config.env_id,
+        policy=config.policy,
+        episodes=n,
+        errors=errors,
+        success_rate=successes / n if n else math.nan,
+        success_low=low,
+        success_high=high,
+        mean_reward=statistics.fmean(r["reward"] for r in records) if n else math.nan,
+        mean_turns=statistics.fmean(r["turns"] for r in records) if n else math.nan,
+        mean_tokens=statistics.fmean(tokens) if tokens else None,
+        latency_p50=percentile(latencies, 0.5),
+        latency_p95=percentile(latencies, 0.95),
+    )
+
+
+def format_table(summaries: Sequence[Summary]) -> str:
+    header = ("env", "policy", "n", "success [95% CI]", "reward", "turns", "tokens",
+              "latency p50/p95 s", "errors")
+    rows = [header]
+    for s in summaries:
+        rows.append((
+            s.env_id.removeprefix("agent_gym/"), s.policy, str(s.episodes),
+            f"{s.success_rate:.2f} [{s.success_low:.2f}, {s.success_high:.2f}]",
+            f"{s.mean_reward:.3f}", f"{s.mean_turns:.1f}",
+            "-" if s.mean_tokens is None else f"{s.mean_tokens:.0f}",
+            f"{s.latency_p50:.2f}/{s.latency_p95:.2f}", str(s.errors),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class RunLog:
+    """The run directory: config, finished episodes, errors; durable line by line."""
+
+    def __init__(self, out_dir: Path, config: EvalConfig) -> None:
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config_path = out_dir / "config.json"
+        if config_path.exists():
+            previous = EvalConfig(**json.loads(config_path.read_text(encoding="utf-8")))
+            if not previous.same_run(config):
+                raise RunMismatchError(
+                    f"{out_dir} holds a run of {previous}; this is {config}. "
+                    "Use another --out directory."
+                )
+        config_path.write_text(json.dumps(asdict(config), indent=2), encoding="utf-8")
+        self.episodes_path = out_dir / EPISODES_FILE
+        self.records = self._recover(self.episodes_path)
+        self._errors_path = out_dir / ERRORS_FILE
+        self._errors_path.unlink(missing_ok=True)  # errored episodes are retried on resume
+        self.errors = 0
+
+    @staticmethod
+    def _recover(path: Path) -> dict[int, dict[str, Any]]:
+        """Finished episodes; cuts off a last line a kill left half-written."""
+        if not path.exists():
+            return {}
+        records: dict[int, dict[str, Any]] = {}
+        good_bytes = 0
+        with path.open("rb") as handle:
+            for line in handle:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    break
+                records.setdefault(int(record["episode"]), record)
+                good_bytes += len(line)
+        if good_bytes != path.stat().st_size:
+            with path.open("r+b") as handle:
+                handle.truncate(good_bytes)
+        return records
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records[record["episode"]] = record
+        _append_durably(self.episodes_path, record)
+
+    def write_error(self, episode: int, error: BaseException) -> None:
+        self.errors += 1
+        _append_durably(
+            self._errors_path, {"episode": episode, "error": f"{type(error).__name__}: {error}"}
+        )
+
+
+def _append_durably(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, ensure_ascii=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+async def play_episode(
+    env: gymnasium.Env, policy: Policy, episode: int, seed: int
+) -> dict[str, Any]:
+    """One episode; env calls run in threads so sandboxes and HTTP never block the loop."""
+    started = time.perf_counter()
+    _, info = await asyncio.to_thread(env.reset, seed=seed)
+    messages = list(info["messages"])
+    tools, privileged = info["tools"], info["privileged"]
+    total_reward, invalid, turns = 0.0, 0, 0
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+    done = False
+    while not done:
+        reply = await policy.act(PolicyInput(list(messages), tools, turns, privileged, info))
+        _, reward, terminated, truncated, info = await asyncio.to_thread(env.step, reply.text)
+        messages += [{"role": "assistant", "content": reply.text}, info["message"]]
+        total_reward += float(reward)
+        invalid += bool(info.get("invalid"))
+        turns += 1
+        done = terminated or truncated
+        prompt_tokens = _add(prompt_tokens, reply.prompt_tokens)
+        completion_tokens = _add(completion_tokens, reply.completion_tokens)
+    state = env.unwrapped.save_state()
+    return {
+        "episode": episode,
+        "seed": seed,
+        "task_id": state.task_id,
+        "reward": total_reward,
+        "success": total_reward > 0,
+        "terminated": bool(terminated),
+        "turns": turns,
+        "invalid_actions": invalid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "latency_s": round(time.perf_counter() - started, 4),
+        "transcript": messages,
+        "final_state": json.loads(state.to_json()),
+    }
+
+
+def _add(total: int | None, value: int | None) -> int | None:
+    return None if total is None or value is None else total + value
+
+
+async def evaluate(
+    config: EvalConfig,
+    policy: Policy,
+    out_dir: Path,
+    *,
+    concurrency: int = 4,
+    progress: bool = True,
+) -> Summary:
+    """Run the missing episodes of ``config`` into ``out_dir`` and summarise all of them."""
+    log = RunLog(out_dir, config)
+    todo: asyncio.Queue[int] = asyncio.Queue()
+    for episode in range(config.episodes):
+        if episode not in log.records:
+            todo.put_nowait(episode)
+    bar = tqdm(
+        total=config.episodes, initial=config.episodes - todo.qsize(), disable=not progress,
+        desc=f"{config.env_id.removeprefix('agent_gym/')} / {config.policy}", unit="ep",
+    )
+
+    async def worker() -> None:
+        env = await asyncio.to_thread(gymnasium.make, config.env_id, **config.env_kwargs)
+        try:
+            while not todo.empty():
+                episode = todo.get_nowait()
+                try:
+                    record = await play_episode(env, policy, episode, config.seed + episode)
+                except Exception as err:  # one broken episode must not sink the run
+                    log.write_error(episode, err)
+                    # The env may be mid-episode in an unknown state: start a fresh one.
+                    await asyncio.to_thread(env.close)
+                    env = await asyncio.to_thread(
+                        gymnasium.make, config.env_id, **config.env_kwargs
+                    )
+                else:
+                    log.write(record)
+                bar.update()
+        finally:
+            await asyncio.to_thread(env.close)
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, todo.qsize())))))
+    finally:
+        bar.close()
+    finished = [log.records[i] for i in sorted(log.records) if i < config.episodes]
+    summary = summarize(config, finished, log.errors)
+    (out_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2), encoding="utf-8")
+    return summary

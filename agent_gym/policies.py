@@ -1,0 +1,330 @@
+"""Policies to benchmark: anything that turns a chat (plus tool schemas) into assistant text.
+
+Every policy answers with the assistant's raw text, exactly what an env's ``step`` takes;
+a policy that speaks native tool calls (OpenAI ``tool_calls``) is translated into the
+Hermes ``<tool_call>`` text the envs parse, never repaired on the way.
+
+Specs for the command line:
+
+* ``oracle`` — replays the env's own solution from privileged info (an upper bound, and a
+  check that every task is solvable);
+* ``random`` — a random admissible action, for envs that list them;
+* ``openai:MODEL@BASE_URL`` — any OpenAI-compatible chat endpoint (vLLM, SGLang,
+  llama.cpp, OpenAI); the key comes from ``$OPENAI_API_KEY``; append ``#text`` to describe
+  tools in the prompt instead of passing them natively;
+* ``local[:MODEL]`` — a transformers model on this machine (default: the embedded
+  SmolLM2-135M-Instruct; any local Hugging Face directory works).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+class PolicyError(RuntimeError):
+    """A policy could not produce a reply (its server kept failing, say)."""
+
+
+@dataclass
+class PolicyInput:
+    """What a policy may look at. Model policies read only ``messages`` and ``tools``;
+    ``privileged`` and ``info`` are there for scripted baselines."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    turn: int
+    privileged: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    text: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class Policy(Protocol):
+    name: str
+
+    async def act(self, observation: PolicyInput) -> Reply: ...
+
+
+# --------------------------------------------------------------------- scripted baselines
+class OraclePolicy:
+    """Plays ``privileged["oracle_actions"]``, the solution each env scripts for its task."""
+
+    name = "oracle"
+
+    async def act(self, observation: PolicyInput) -> Reply:
+        script = observation.privileged.get("oracle_actions")
+        if not script:
+            raise PolicyError("this env gives no oracle_actions in its privileged info")
+        return Reply(script[min(observation.turn, len(script) - 1)])
+
+
+class RandomAdmissiblePolicy:
+    """A uniformly random admissible action: the floor any learned policy must beat."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    async def act(self, observation: PolicyInput) -> Reply:
+        admissible = observation.info.get("admissible_actions")
+        if not admissible:
+            raise PolicyError("this env lists no admissible_actions in its info")
+        return Reply(self._rng.choice(list(admissible)))
+
+
+# --------------------------------------------------------------------- OpenAI-compatible
+class OpenAIChatPolicy:
+    """Chat completions over httpx with timeouts and bounded retries with backoff.
+
+    ``native_tools=True`` passes the tool schemas as ``tools`` and turns returned
+    ``tool_calls`` into ``<tool_call>`` text; ``False`` describes the tools in the system
+    prompt and lets the model write the tags itself (for servers without tool support).
+    """
+
+    RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+    def __init__(
+        self,
+        model: str,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        native_tools: bool = True,
+        temperature: float = 0.0,
+        max_tokens: int = 1024,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+    ) -> None:
+        self.name = f"openai:{model}"
+        self.model = model
+        self.native_tools = native_tools
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.max_retries = max_retries
+        self.backoff = backoff
+        key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+        )
+
+    async def act(self, observation: PolicyInput) -> Reply:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+        if self.native_tools:
+            body["messages"] = _native_tool_messages(observation.messages)
+            if observation.tools:
+                body["tools"] = observation.tools
+        else:
+            body["messages"] = _text_tool_messages(observation.messages, observation.tools)
+        payload = await self._post("/chat/completions", body)
+        try:
+            message = payload["choices"][0]["message"]
+            text = _tool_calls_as_text(message.get("content") or "", message.get("tool_calls"))
+        except (KeyError, IndexError, TypeError) as err:
+            raise PolicyError(f"malformed chat completion: {str(payload)[:200]}") from err
+        usage = payload.get("usage") or {}
+        return Reply(text, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        problem = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                response = await self._client.post(path, json=body)
+            except httpx.TransportError as err:
+                problem = f"{type(err).__name__}: {err}"
+                continue
+            if response.status_code in self.RETRY_STATUS:
+                problem = f"HTTP {response.status_code}: {response.text[:200]}"
+                continue
+            if response.status_code != 200:
+                raise PolicyError(f"HTTP {response.status_code}: {response.text[:200]}")
+            try:
+                return response.json()
+            except json.JSONDecodeError as err:
+                problem = f"response is not JSON: {response.text[:200]!r}"
+                if attempt == self.max_retries:
+                    raise PolicyError(problem) from err
+        raise PolicyError(f"gave up after {self.max_retries + 1} attempts; last: {problem}")
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+_CALL_RE = re.compile(
+    re.escape(TOOL_CALL_OPEN) + r"\s*(\{.*\})\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL
+)
+
+
+def _native_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Our transcript (tool calls as text) in the OpenAI shape (``tool_calls`` with ids)."""
+    converted: list[dict[str, Any]] = []
+    pending_id: str | None = None
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant":
+            match = _CALL_RE.search(message["content"])
+            call = _json_or_none(match.group(1)) if match else None
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                pending_id = f"call_{index}"
+                converted.append({
+                    "role": "assistant",
+                    "content": message["content"][: match.start()].strip() or None,
+                    "tool_calls": [{
+                        "id": pending_id, "type": "function",
+                        "function": {"name": call["name"],
+                                     "arguments": json.dumps(call.get("arguments", {}))},
+                    }],
+                })
+                continue
+            pending_id = None
+            converted.append({"role": "assistant", "content": message["content"]})
+        elif message["role"] == "tool":
+            if pending_id is None:  # an error answer to a call that never parsed
+                converted.append({"role": "user", "content": message["content"]})
+            else:
+                converted.append(
+                    {"role": "tool", "tool_call_id": pending_id, "content": message["content"]}
+                )
+                pending_id = None
+        else:
+            converted.append({"role": message["role"], "content": message["content"]})
+    return converted
+
+
+def _text_tool_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    converted = []
+    for message in messages:
+        if message["role"] == "tool":
+            content = f"<tool_response>\n{message['content']}\n</tool_response>"
+            converted.append({"role": "user", "content": content})
+        else:
+            converted.append({"role": message["role"], "content": message["content"]})
+    if tools:
+        described = "\n".join(json.dumps(tool["function"]) for tool in tools)
+        guide = (
+            "\n\nYou can call these tools:\n" + described + "\nTo call one, end your reply with "
+            '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>.'
+        )
+        if converted and converted[0]["role"] == "system":
+            converted[0] = {"role": "system", "content": converted[0]["content"] + guide}
+        else:
+            converted.insert(0, {"role": "system", "content": guide.strip()})
+    return converted
+
+
+def _tool_calls_as_text(content: str, tool_calls: list[dict[str, Any]] | None) -> str:
+    parts = [content.strip()] if content.strip() else []
+    for call in tool_calls or []:
+        function = call["function"]
+        # Arguments arrive as a JSON string; keep it verbatim so the env judges it.
+        raw = function.get("arguments") or "{}"
+        parts.append(
+            f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(function["name"])}, "arguments": {raw}}}\n'
+            f"{TOOL_CALL_CLOSE}"
+        )
+    return "\n".join(parts)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+# --------------------------------------------------------------------- local transformers
+class LocalModelPolicy:
+    """A transformers causal LM on this machine, prompted with its own chat template.
+
+    Generation runs in a worker thread behind a lock: one model, one forward pass at a time,
+    while envs keep stepping concurrently.
+    """
+
+    def __init__(
+        self, model: str = "smollm2", *, max_new_tokens: int = 256, temperature: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        from trainers.models import load_model, load_tokenizer
+
+        self.name = f"local:{model}"
+        self.tokenizer = load_tokenizer(model)
+        self.model = load_model(model)
+        self.model.eval()
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.seed = seed
+        self._lock = threading.Lock()
+
+    async def act(self, observation: PolicyInput) -> Reply:
+        return await asyncio.to_thread(self._generate, observation)
+
+    def _generate(self, observation: PolicyInput) -> Reply:
+        import torch
+
+        prompt = self.tokenizer.apply_chat_template(
+            observation.messages, tools=observation.tools or None,
+            add_generation_prompt=True, tokenize=True, return_dict=False,
+        )
+        with self._lock, torch.no_grad():
+            torch.manual_seed(self.seed + observation.turn)
+            sampling = {"do_sample": True, "temperature": self.temperature} \
+                if self.temperature > 0 else {"do_sample": False}
+            output = self.model.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.eos_token_id,
+                **sampling,
+            )
+        completion = output[0, len(prompt):].tolist()
+        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+        return Reply(text, len(prompt), len(completion))
+
+
+# --------------------------------------------------------------------- specs
+def make_policy(spec: str, *, seed: int = 0, max_tokens: int = 256) -> Policy:
+    """Build a policy from a command-line spec (see the module docstring)."""
+    if spec == "oracle":
+        return OraclePolicy()
+    if spec == "random":
+        return RandomAdmissiblePolicy(seed)
+    if spec.startswith("openai:"):
+        rest, _, mode = spec.removeprefix("openai:").partition("#")
+        model, at, base_url = rest.partition("@")
+        if not at or not model or not base_url:
+            raise ValueError(f"expected openai:MODEL@BASE_URL, got {spec!r}")
+        if mode not in ("", "text", "native"):
+            raise ValueError(f"tool mode must be #native or #text, got #{mode}")
+        return OpenAIChatPolicy(
+            model, base_url, native_tools=mode != "text", max_tokens=max_tokens
+        )
+    if spec == "local" or spec.startswith("local:"):
+        model = spec.partition(":")[2] or "smollm2"
+        return LocalModelPolicy(model, max_new_tokens=max_tokens, seed=seed)
+    raise ValueError(
+        f"unknown policy {spec!r}; use oracle, random, openai:MODEL@URL or local[:MODEL]"
+    )

@@ -1,0 +1,174 @@
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_gym.eval import EvalConfig, RunMismatchError, evaluate, wilson_interval
+from agent_gym.policies import (
+    OpenAIChatPolicy,
+    OraclePolicy,
+    PolicyError,
+    PolicyInput,
+    _native_tool_messages,
+    _tool_calls_as_text,
+    make_policy,
+)
+from tests.openai_server import Behaviour, ChatServer
+
+GSM8K = "agent_gym/GSM8K-v0"
+
+
+def _episodes(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+
+
+def test_oracle_solves_every_episode_and_logs_transcripts(tmp_path: Path) -> None:
+    config = EvalConfig(GSM8K, "oracle", episodes=6, seed=3)
+    summary = asyncio.run(evaluate(config, OraclePolicy(), tmp_path, progress=False))
+    assert summary.success_rate == 1.0 and summary.episodes == 6
+    records = _episodes(tmp_path)
+    assert sorted(r["episode"] for r in records) == list(range(6))
+    for record in records:
+        assert record["transcript"][-2]["role"] == "assistant"
+        assert record["final_state"]["env_id"] == GSM8K
+    assert json.loads((tmp_path / "summary.json").read_text())["episodes"] == 6
+
+
+def test_openai_policy_against_a_loopback_server(tmp_path: Path) -> None:
+    with ChatServer() as server:
+        policy = OpenAIChatPolicy("test-model", server.url, api_key="sk-test")
+        config = EvalConfig(GSM8K, "openai:test-model", episodes=4)
+        summary = asyncio.run(evaluate(config, policy, tmp_path, concurrency=2, progress=False))
+        assert len(server.behaviour.requests) == 4
+        assert server.behaviour.requests[0]["messages"][0]["role"] == "system"
+    assert summary.episodes == 4 and summary.mean_tokens == 7
+    assert all("boxed{42}" in r["transcript"][-2]["content"] for r in _episodes(tmp_path))
+
+
+def test_transient_server_errors_are_retried_with_a_bound() -> None:
+    observation = PolicyInput([{"role": "user", "content": "hi"}], [], 0)
+    with ChatServer(Behaviour(failures=[500, 429])) as server:
+        policy = OpenAIChatPolicy("m", server.url, backoff=0.01, max_retries=3)
+        assert "42" in asyncio.run(policy.act(observation)).text
+        assert len(server.behaviour.requests) == 3
+    with ChatServer(Behaviour(failures=[503] * 10)) as server:
+        policy = OpenAIChatPolicy("m", server.url, backoff=0.01, max_retries=2)
+        with pytest.raises(PolicyError, match="gave up after 3 attempts; last: HTTP 503"):
+            asyncio.run(policy.act(observation))
+        assert len(server.behaviour.requests) == 3
+    with ChatServer(Behaviour(malformed=5)) as server:
+        policy = OpenAIChatPolicy("m", server.url, backoff=0.01, max_retries=1)
+        with pytest.raises(PolicyError, match="not JSON"):
+            asyncio.run(policy.act(observation))
+    with ChatServer(Behaviour(failures=[401])) as server:
+        with pytest.raises(PolicyError, match="HTTP 401"):
+            asyncio.run(OpenAIChatPolicy("m", server.url).act(observation))
+        assert len(server.behaviour.requests) == 1  # not retried: it will not get better
+
+
+def test_connection_refused_is_a_policy_error() -> None:
+    policy = OpenAIChatPolicy("m", "http://127.0.0.1:9/v1", backoff=0.01, max_retries=1)
+    with pytest.raises(PolicyError, match="ConnectError"):
+        asyncio.run(policy.act(PolicyInput([{"role": "user", "content": "x"}], [], 0)))
+
+
+def test_failed_episodes_are_logged_then_retried_on_resume(tmp_path: Path) -> None:
+    config = EvalConfig(GSM8K, "openai:m", episodes=3)
+    with ChatServer(Behaviour(failures=[500] * 6)) as server:
+        policy = OpenAIChatPolicy("m", server.url, backoff=0.0, max_retries=1)
+        summary = asyncio.run(evaluate(config, policy, tmp_path, concurrency=1, progress=False))
+        assert summary.errors == 3 and summary.episodes == 0
+        assert len((tmp_path / "errors.jsonl").read_text().splitlines()) == 3
+        summary = asyncio.run(evaluate(config, policy, tmp_path, concurrency=1, progress=False))
+    assert summary.errors == 0 and summary.episodes == 3
+
+
+def test_a_sigkilled_run_resumes_with_nothing_lost_or_repeated(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "agent_gym.cli", "eval", GSM8K, "--episodes", "12",
+        "--concurrency", "2", "--out", str(run), "--quiet",
+    ]
+    with ChatServer(Behaviour(delay=0.15)) as server:
+        command += ["--policy", f"openai:m@{server.url}"]
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        log = run / "episodes.jsonl"
+        while time.monotonic() < deadline:
+            if log.exists() and len(log.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        before = log.read_bytes()
+        assert 3 <= len(before.splitlines()) < 12
+        with log.open("ab") as handle:  # as if the kill had landed mid-write
+            handle.write(b'{"episode": 11, "reward": 1.0, "trunc')
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=120)
+    after = log.read_bytes()
+    assert after.startswith(before)  # finished episodes were kept as they were
+    assert sorted(r["episode"] for r in _episodes(run)) == list(range(12))
+
+
+def test_resumed_oracle_run_equals_an_unbroken_run(tmp_path: Path) -> None:
+    unbroken = EvalConfig(GSM8K, "oracle", episodes=8, seed=5)
+    asyncio.run(evaluate(unbroken, OraclePolicy(), tmp_path / "a", progress=False))
+    partial = EvalConfig(GSM8K, "oracle", episodes=3, seed=5)
+    asyncio.run(evaluate(partial, OraclePolicy(), tmp_path / "b", progress=False))
+    asyncio.run(evaluate(unbroken, OraclePolicy(), tmp_path / "b", progress=False))
+
+    def by_episode(run: Path) -> list[tuple]:
+        return sorted((r["episode"], r["task_id"], r["reward"]) for r in _episodes(run))
+
+    assert by_episode(tmp_path / "a") == by_episode(tmp_path / "b")
+
+
+def test_a_run_directory_of_another_run_is_refused(tmp_path: Path) -> None:
+    asyncio.run(evaluate(EvalConfig(GSM8K, "oracle", 1), OraclePolicy(), tmp_path, progress=False))
+    with pytest.raises(RunMismatchError, match="another --out"):
+        asyncio.run(
+            evaluate(EvalConfig(GSM8K, "oracle", 1, seed=9), OraclePolicy(), tmp_path,
+                     progress=False)
+        )
+
+
+def test_native_tool_calls_become_text_and_back() -> None:
+    text = _tool_calls_as_text(
+        "Looking.", [{"function": {"name": "search", "arguments": '{"query": "nile"}'}}]
+    )
+    assert text.endswith('<tool_call>\n{"name": "search", "arguments": {"query": "nile"}}\n</tool_call>')
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": text},
+        {"role": "tool", "content": "results"},
+        {"role": "assistant", "content": "<tool_call>{broken</tool_call>"},
+        {"role": "tool", "content": "Error: not valid JSON"},
+    ]
+    converted = _native_tool_messages(messages)
+    assert converted[1]["tool_calls"][0]["function"]["name"] == "search"
+    assert converted[2] == {"role": "tool", "tool_call_id": "call_1", "content": "results"}
+    assert converted[4]["role"] == "user"  # an error answer to an unparsed call
+
+
+def test_policy_specs() -> None:
+    assert make_policy("oracle").name == "oracle"
+    policy = make_policy("openai:qwen@http://127.0.0.1:1/v1#text")
+    assert isinstance(policy, OpenAIChatPolicy) and not policy.native_tools
+    with pytest.raises(ValueError, match="openai:MODEL@BASE_URL"):
+        make_policy("openai:qwen")
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("gpt")
+
+
+def test_wilson_interval() -> None:
+    low, high = wilson_interval(10, 10)
+    assert high == 1.0 and 0.69 < low < 0.73
+    low, high = wilson_interval(0, 10)
+    assert low == 0.0 and 0.27 < high < 0.31
+    assert wilson_interval(0, 0) == (0.0, 1.0)
