@@ -49,6 +49,17 @@ def _env_arg(text: str) -> tuple[str, Any]:
         return key, value
 
 
+def _env_factory(config: EvalConfig, ray_address: str | None) -> Any:
+    """Envs in this process, or (``--ray``) each in a Ray actor on the cluster."""
+    if ray_address is None:
+        return None
+    from agent_gym.distributed import RemoteEnv, ensure_ray
+
+    address = None if ray_address == "local" else ray_address
+    ensure_ray(address)
+    return lambda: RemoteEnv(config.env_id, config.env_kwargs, address)
+
+
 def _eval(args: argparse.Namespace) -> int:
     if (args.env_id is None) == (args.suite is None):
         raise SystemExit("agent-gym eval: give either an ENV_ID or --suite NAME")
@@ -74,7 +85,7 @@ def _eval(args: argparse.Namespace) -> int:
                     "/", "_").replace(":", "_")
             summaries.append(asyncio.run(
                 evaluate(config, policy, out_dir, concurrency=args.concurrency,
-                         progress=not args.quiet)
+                         progress=not args.quiet, make_env=_env_factory(config, args.ray))
             ))
     print(format_table(summaries))
     return 0
@@ -110,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--env-arg", type=_env_arg, action="append", default=[],
                             metavar="KEY=VALUE", help="env constructor argument (JSON value)")
     evaluation.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluation.add_argument(
+        "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+        help="step envs in Ray actors: a local Ray, or the cluster at ADDRESS (e.g. auto)",
+    )
     evaluation.set_defaults(run=_eval)
     return parser
 

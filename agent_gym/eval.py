@@ -16,7 +16,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,8 +239,18 @@ async def evaluate(
     *,
     concurrency: int = 4,
     progress: bool = True,
+    make_env: Callable[[], Any] | None = None,
 ) -> Summary:
-    """Run the missing episodes of ``config`` into ``out_dir`` and summarise all of them."""
+    """Run the missing episodes of ``config`` into ``out_dir`` and summarise all of them.
+
+    ``make_env`` builds one env per concurrent episode slot; by default
+    ``gymnasium.make`` in this process (``agent_gym.distributed.RemoteEnv`` puts it in a
+    Ray actor instead).
+    """
+    if make_env is None:
+        def make_env() -> Any:
+            return gymnasium.make(config.env_id, **config.env_kwargs)
+
     log = RunLog(out_dir, config)
     todo: asyncio.Queue[int] = asyncio.Queue()
     for episode in range(config.episodes):
@@ -252,7 +262,7 @@ async def evaluate(
     )
 
     async def worker() -> None:
-        env = await asyncio.to_thread(gymnasium.make, config.env_id, **config.env_kwargs)
+        env = await asyncio.to_thread(make_env)
         try:
             while not todo.empty():
                 episode = todo.get_nowait()
@@ -262,9 +272,7 @@ async def evaluate(
                     log.write_error(episode, err)
                     # The env may be mid-episode in an unknown state: start a fresh one.
                     await asyncio.to_thread(env.close)
-                    env = await asyncio.to_thread(
-                        gymnasium.make, config.env_id, **config.env_kwargs
-                    )
+                    env = await asyncio.to_thread(make_env)
                 else:
                     log.write(record)
                 bar.update()
