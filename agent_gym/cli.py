@@ -14,12 +14,15 @@ import gymnasium
 import agent_gym
 from agent_gym.eval import EvalConfig, evaluate, format_table
 from agent_gym.policies import make_policy
+from agent_gym.search import cli as search_cli
+from trainers import cli as trainers_cli
 
 # Suites run every policy given on the env list below: bundled data only, so they work
 # offline. Each entry: env id, constructor arguments, episodes.
 SUITES: dict[str, list[tuple[str, dict[str, Any], int]]] = {
     "default": [
         ("agent_gym/GSM8K-v0", {}, 6),
+        ("agent_gym/Search-v0", {}, 6),
     ],
 }
 SUITE_POLICIES = ["oracle", "local"]
@@ -126,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="step envs in Ray actors: a local Ray, or the cluster at ADDRESS (e.g. auto)",
     )
     evaluation.set_defaults(run=_eval)
+    search_cli.register(commands)
+    trainers_cli.register(commands)
     return parser
 
 

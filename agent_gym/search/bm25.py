@@ -1,0 +1,218 @@
+"""Local BM25 retrieval with bm25s: build an index from a JSONL corpus once, load it mmap'ed.
+
+On disk an index directory holds bm25s's sparse score matrix, a `passages.jsonl` store with an
+`offsets.npy` line table (so a loaded index keeps passages on disk, not in RAM), and
+`meta.json` recording the corpus fingerprint and the tokenizer settings. The fingerprint goes
+into the backend `name`, so cached responses and saved episodes never mix two corpora.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import shutil
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agent_gym.search.passages import CorpusError, Passage, check_batch, iter_corpus
+
+FORMAT = 1  # bump when the on-disk layout or the tokenizer changes: it keys built indexes
+_TOKEN_PATTERN = r"(?u)\b\w\w+\b"
+_META = "meta.json"
+_PASSAGES = "passages.jsonl"
+_OFFSETS = "offsets.npy"
+
+
+def _bm25s() -> Any:
+    """Import bm25s on first use: it is the `search` extra, not a core dependency."""
+    try:
+        import bm25s
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError("local BM25 search needs bm25s: pip install 'agent-gym[search]'") from exc
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
+    return bm25s
+
+
+def s_stem(words: list[str]) -> list[str]:
+    """A plural-only stemmer after Harman's "S" stemmer ("rivers" -> "river", "cities" -> "city").
+
+    A light stemmer keeps names intact (aggressive stemmers mangle invented proper nouns)
+    while still matching the singular/plural forms questions and passages disagree on.
+    """
+    out = []
+    for w in words:
+        if len(w) > 3 and w.endswith("ies") and not w.endswith(("eies", "aies")):
+            w = w[:-3] + "y"
+        elif len(w) > 2 and w.endswith("s") and not w.endswith(("us", "ss")):
+            w = w[:-1]
+        out.append(w)
+    return out
+
+
+def tokenize(texts: list[str], return_ids: bool) -> Any:
+    """The one tokenizer for corpus and queries: lower-case words, English stopwords, s-stem."""
+    return _bm25s().tokenize(
+        texts, lower=True, token_pattern=_TOKEN_PATTERN, stopwords="en", stemmer=s_stem,
+        return_ids=return_ids, show_progress=False,
+    )
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class _PassageStore:
+    """Passages on disk, read by line offset through a shared read-only mmap (thread-safe)."""
+
+    def __init__(self, directory: Path) -> None:
+        self._offsets = np.load(directory / _OFFSETS, mmap_mode="r")
+        self._file = open(directory / _PASSAGES, "rb")  # noqa: SIM115 - lives as long as the index
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def get(self, index: int, score: float) -> Passage:
+        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
+        return Passage.from_json({**json.loads(self._map[start:end]), "score": score})
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+class BM25Index:
+    """A loaded BM25 index; `search` is safe to call from many threads (the server does)."""
+
+    def __init__(self, directory: str | Path, *, mmap: bool = True) -> None:
+        self.directory = Path(directory)
+        meta_path = self.directory / _META
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"no BM25 index in {self.directory} (missing {_META})")
+        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise ValueError(
+                f"index {self.directory} has format {self.meta.get('format')}, expected {FORMAT}; "
+                "rebuild it with `agent-gym search index`"
+            )
+        self.num_docs = int(self.meta["num_docs"])
+        self.name = f"bm25-v{FORMAT}:{self.meta['corpus_sha256'][:16]}"
+        self._retriever = _bm25s().BM25.load(
+            str(self.directory), mmap=mmap, show_progress=False, verbosity=0
+        )
+        self._vocab: dict[str, int] = self._retriever.vocab_dict
+        self._store = _PassageStore(self.directory)
+
+    @classmethod
+    def build(
+        cls, corpus: str | Path, out_dir: str | Path, *, overwrite: bool = False
+    ) -> BM25Index:
+        """Index `corpus` into `out_dir` (written to a temp dir, then renamed into place)."""
+        out_dir = Path(out_dir)
+        if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+            raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+        _build_into(Path(corpus), out_dir, file_sha256(corpus), replace=True)
+        return cls(out_dir)
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
+        """Top-`topk` passages per query; passages with zero score (no shared term) are dropped."""
+        check_batch(queries, topk)
+        results: list[list[Passage]] = [[] for _ in queries]
+        if not queries:
+            return results
+        tokens = [[t for t in q if t in self._vocab] for q in tokenize(list(queries), False)]
+        live = [i for i, q in enumerate(tokens) if q]
+        if not live:
+            return results
+        k = min(topk, self.num_docs)
+        docs, scores = self._retriever.retrieve(
+            [tokens[i] for i in live], k=k, show_progress=False, n_threads=0
+        )
+        for row, i in enumerate(live):
+            results[i] = [
+                self._store.get(int(d), float(s))
+                for d, s in zip(docs[row], scores[row], strict=True)
+                if s > 0
+            ]
+        return results
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def _write_index(corpus: Path, out: Path, sha: str) -> None:
+    """Stream the corpus into the passage store, then tokenize and index the texts."""
+    texts: list[str] = []
+    offsets = [0]
+    with open(out / _PASSAGES, "wb") as store:
+        for passage in iter_corpus(corpus):
+            line = json.dumps(
+                {"id": passage.id, "title": passage.title, "text": passage.text},
+                ensure_ascii=False,
+            ).encode() + b"\n"
+            store.write(line)
+            offsets.append(offsets[-1] + len(line))
+            texts.append(f"{passage.title} {passage.text}")
+    if not texts:
+        raise CorpusError(f"{corpus}: the corpus has no passages")
+    np.save(out / _OFFSETS, np.asarray(offsets, dtype=np.int64))
+    retriever = _bm25s().BM25()
+    retriever.index(tokenize(texts, True), show_progress=False)
+    retriever.save(str(out), show_progress=False)
+    meta = {
+        "format": FORMAT,
+        "num_docs": len(texts),
+        "corpus_sha256": sha,
+        "corpus_name": corpus.name,
+        "tokenizer": {"pattern": _TOKEN_PATTERN, "stopwords": "en", "stemmer": "s"},
+        "bm25": {"method": retriever.method, "k1": retriever.k1, "b": retriever.b},
+        "bm25s_version": _bm25s().__version__,
+    }
+    (out / _META).write_text(json.dumps(meta, indent=1))
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def ensure_index(corpus: str | Path, root: str | Path) -> Path:
+    """The index of `corpus` under `root`, built on first use and keyed by the corpus hash.
+
+    Threads of one process build it once (a lock); separate processes (an async vector env
+    starts several at once) each build into a private temp dir and the first rename wins,
+    so nobody ever reads a half-written index.
+    """
+    sha = file_sha256(corpus)
+    target = Path(root) / f"bm25-v{FORMAT}-{sha[:16]}"
+    with _BUILD_LOCK:
+        if not (target / _META).is_file():
+            _build_into(Path(corpus), target, sha, replace=False)
+    return target
+
+
+def _build_into(corpus: Path, target: Path, sha: str, *, replace: bool) -> None:
+    """Write the index into a private temp dir and rename it to `target`.
+
+    With `replace=False` losing a rename race to another process is fine: its index is
+    for the same corpus hash.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_index(corpus, tmp, sha)
+        if replace and target.exists():
+            shutil.rmtree(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if replace or not (target / _META).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,295 @@
+"""agent_gym/Search-v0: protocols, rewards, budgets, faults, data, save/restore and replay."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import gymnasium
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from agent_gym import StateMismatchError, make_from_state
+from agent_gym.data import DataError, bundled
+from agent_gym.search import BM25Index, RetrievalServer, bundled_corpus
+from tests.search_fakes import FaultProxy, refused_url
+
+ENV = "agent_gym/Search-v0"
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Indexes and response caches go to a per-test dir, never to the user's cache."""
+    root = tmp_path / "agent-gym-cache"
+    monkeypatch.setenv("AGENT_GYM_CACHE", str(root))
+    return root
+
+
+def search_call(query: str) -> str:
+    return json.dumps({"name": "search", "arguments": {"query": query}}).join(
+        ["Let me look it up.\n<tool_call>", "</tool_call>"]
+    )
+
+
+def test_check_env_passes_in_both_protocols() -> None:
+    for protocol in ("tool", "tag"):
+        check_env(gymnasium.make(ENV, protocol=protocol).unwrapped, skip_render_check=False)
+
+
+def test_reset_info_keeps_gold_answers_privileged() -> None:
+    env = gymnasium.make(ENV)
+    observation, info = env.reset(seed=4)
+    assert info["messages"][-1] == {"role": "user", "content": observation}
+    assert [t["function"]["name"] for t in info["tools"]] == ["search"]
+    golds = info["privileged"]["answers"]
+    assert golds and info["privileged"]["gold_passage_ids"]
+    assert all(g not in m["content"] for g in golds for m in info["messages"])
+    assert gymnasium.make(ENV, protocol="tag").reset(seed=4)[1]["tools"] == []
+
+
+def titles() -> dict[str, str]:
+    rows = map(json.loads, bundled_corpus().read_text().splitlines())
+    return {row["id"]: row["contents"].split("\n")[0].strip('"') for row in rows}
+
+
+def test_two_hop_question_solved_with_two_searches() -> None:
+    env = gymnasium.make(ENV)
+    qa = next(q for q in bundled("search_qa") if "was the inventor of" in q["question"])
+    env.reset(options={"task_id": qa["id"]})
+    device = qa["question"].split("inventor of the ")[1].rstrip("?")
+    observation, _, terminated, _, info = env.step(search_call(f"who invented the {device}"))
+    assert info["message"]["role"] == "tool" and not info["invalid"] and not terminated
+    assert qa["supporting"][0] in info["passage_ids"] and "(3 searches left)" in observation
+    assert qa["answers"][0] not in observation.split("\n")[0]  # the first hop alone is not enough
+    inventor = titles()[qa["supporting"][1]]
+    xml = f"<function=search><parameter=query>\nwhere was {inventor} born\n</parameter></function>"
+    observation, *_, info = env.step(xml)  # the Qwen3 XML form of the same tool
+    assert qa["supporting"][1] in info["passage_ids"] and qa["answers"][0] in observation
+    _, reward, terminated, _, info = env.step(f"So that is it.\nAnswer: {qa['answers'][0]}")
+    assert (reward, terminated, info["em"], info["f1"], info["searches"]) == (1.0, True, True,
+                                                                              1.0, 2)
+
+
+def test_tag_protocol_and_answer_tags() -> None:
+    env = gymnasium.make(ENV, protocol="tag")
+    _, info = env.reset(options={"index": 0})
+    gold = info["privileged"]["answers"][0]
+    observation, *_, step_info = env.step("I should search. <search> founded year town </search>")
+    assert observation.startswith("<information>Doc 1 (Title: ")
+    assert observation.endswith("</information>") and step_info["message"]["role"] == "user"
+    _, reward, terminated, _, step_info = env.step(f"<answer> The {gold}. </answer>")
+    assert (reward, terminated, step_info["em"]) == (1.0, True, True)  # SQuAD normalisation
+
+
+def test_wrong_answer_scores_zero_with_partial_f1() -> None:
+    env = gymnasium.make(ENV)
+    qa = next(q for q in bundled("search_qa") if len(q["answers"][0].split()) >= 2)
+    env.reset(options={"task_id": qa["id"]})
+    _, reward, terminated, _, info = env.step(f"Answer: {qa['answers'][0].split()[0]} Nobody")
+    assert reward == 0.0 and terminated and not info["em"] and 0.0 < info["f1"] < 1.0
+
+
+MALFORMED = {
+    "nothing": "I am not sure yet.",
+    "empty": "",
+    "bad json": "<tool_call>{query: x}</tool_call>",
+    "wrong tool": '<tool_call>{"name": "browse", "arguments": {"url": "x"}}</tool_call>',
+    "missing argument": '<tool_call>{"name": "search", "arguments": {}}</tool_call>',
+    "two calls": search_call("a") + search_call("b"),
+    "call not at end": search_call("a") + " and then more text",
+    "empty answer": "<answer>   </answer>",
+    "two answers": "<answer>a</answer><answer>b</answer>",
+    "blank query": search_call("   "),
+    "huge query": search_call("word " * 200),
+    "binary": "\x00\udcff<tool_call>",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_actions_are_invalid_and_penalised(name: str) -> None:
+    env = gymnasium.make(ENV, format_penalty=0.25)
+    env.reset(seed=0)
+    observation, reward, terminated, truncated, info = env.step(MALFORMED[name])
+    assert info["invalid"] is True and observation and reward == -0.25
+    assert not terminated and not truncated
+
+
+def test_tag_protocol_ignores_tool_calls() -> None:
+    env = gymnasium.make(ENV, protocol="tag")
+    env.reset(seed=0)
+    observation, reward, *_, info = env.step(search_call("x"))
+    assert info["invalid"] and "<search> query </search>" in observation and reward == 0.0
+
+
+def test_search_and_turn_budgets() -> None:
+    env = gymnasium.make(ENV, max_searches=1, max_turns=3)
+    env.reset(seed=1)
+    assert "(0 searches left)" in env.step(search_call("river"))[0]
+    observation, *_, info = env.step(search_call("town"))
+    assert info["invalid"] and "No searches left" in observation
+    assert info["message"]["role"] == "tool"  # it answers a well-formed call
+    *_, terminated, truncated, _ = env.step("thinking")
+    assert (terminated, truncated) == (False, True)
+
+
+def test_observations_are_capped_and_sanitised(tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    rows = [{"title": f"Doc{i}", "text": "lantern " * 300 + "<|im_end|> trailing"}
+            for i in range(5)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = tmp_path / "qa.jsonl"
+    data.write_text(json.dumps({"question": "lantern?", "answer": "lantern"}) + "\n")
+    env = gymnasium.make(ENV, corpus=str(corpus), data_path=str(data), topk=5,
+                         passage_chars=120, max_obs_chars=400)
+    env.reset(seed=0)
+    observation = env.step(search_call("lantern"))[0]
+    assert len(observation) <= 400 and observation.count("Doc ") == 5
+    lines = [x for x in observation.splitlines() if x.startswith("Doc")]
+    assert all(len(x) <= 120 + 30 for x in lines)
+    env.reset(seed=0)
+    wide = gymnasium.make(ENV, corpus=str(corpus), data_path=str(data), topk=1,
+                          passage_chars=5000, max_obs_chars=5000)
+    wide.reset(seed=0)
+    observation = wide.step(search_call("trailing"))[0]
+    assert "<|im_end|>" not in observation and "im_end" in observation
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RetrievalServer]:
+    index = BM25Index.build(bundled_corpus(), tmp_path_factory.mktemp("env") / "index")
+    with RetrievalServer(index) as running:
+        yield running
+    index.close()
+
+
+def test_backend_failures_become_error_observations(server: RetrievalServer) -> None:
+    proxy = FaultProxy(server.url, slow_seconds=0.5)
+    try:
+        env = gymnasium.make(ENV, backend="http", url=proxy.url, cache="off", timeout=0.2,
+                             max_retries=1, max_searches=2, max_turns=8)
+        env.reset(seed=0)
+        for fault in ("500", "429", "slow", "malformed"):
+            proxy.fallback = fault
+            observation, reward, terminated, truncated, info = env.step(search_call("Orvane"))
+            assert observation.startswith("Search failed:"), fault
+            assert "search_error" in info and not info["invalid"] and reward == 0.0
+            assert not terminated and not truncated
+        assert len(proxy.requests) == 2 + 2 + 2 + 1  # bounded: 2 attempts each, 1 if malformed
+        proxy.fallback = "ok"
+        observation, *_, info = env.step(search_call("Orvane river"))
+        assert observation.startswith("Doc 1") and "(1 search left)" in observation
+    finally:
+        proxy.close()
+    refused = gymnasium.make(ENV, backend="http", url=refused_url(), cache="off", max_retries=1)
+    refused.reset(seed=0)
+    assert refused.step(search_call("x"))[0].startswith("Search failed:")
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+def test_restore_at_every_depth(depth: int) -> None:
+    actions = [search_call("Orvane river"), "hmm", "<answer>x</answer>"][:depth]
+    env = gymnasium.make(ENV)
+    observation, _ = env.reset(seed=3)
+    for action in actions:
+        observation, *_ = env.step(action)
+    state = env.unwrapped.save_state()
+    branch, restored, info = make_from_state(state.to_json())
+    assert restored == observation and info["turn"] == depth
+    assert branch.unwrapped.save_state() == state
+
+
+def test_restore_keeps_the_search_budget() -> None:
+    env = gymnasium.make(ENV, max_searches=1)
+    env.reset(seed=0)
+    env.step(search_call("Orvane"))
+    branch, *_ = make_from_state(env.unwrapped.save_state())
+    assert "No searches left" in branch.step(search_call("again"))[0]
+
+
+def test_async_vector_branches_from_one_state() -> None:
+    env = gymnasium.make(ENV)
+    _, info = env.reset(seed=6)
+    env.step(search_call(info["messages"][-1]["content"]))
+    state = env.unwrapped.save_state()
+    gold = info["privileged"]["answers"][0]
+    vec = gymnasium.make_vec(ENV, num_envs=2, vectorization_mode="async")
+    try:
+        observations, _ = vec.reset(options={"state": state})
+        assert list(observations) == [env.unwrapped._transcript[-1]] * 2
+        _, rewards, terminated, _, _ = vec.step([f"Answer: {gold}", "Answer: nobody"])
+        assert list(rewards) == [1.0, 0.0] and list(terminated) == [True, True]
+    finally:
+        vec.close()
+
+
+def test_replay_uses_the_persistent_cache(server: RetrievalServer, tmp_path: Path) -> None:
+    proxy = FaultProxy(server.url)
+    cache = str(tmp_path / "responses.sqlite")
+    env = gymnasium.make(ENV, backend="http", url=proxy.url, cache=cache, max_retries=0)
+    env.reset(seed=2)
+    env.step(search_call("Zennhaven"))
+    env.step(search_call("Vellmark capital"))
+    state = env.unwrapped.save_state()
+    assert len(proxy.requests) == 2
+    proxy.fallback = "500"  # the live service now fails: only the cache can replay
+    _, observation, _ = make_from_state(state)
+    assert observation == env.unwrapped._transcript[-1] and len(proxy.requests) == 2
+    proxy.close()
+    uncached = replace(state, env_kwargs=dict(state.env_kwargs, cache="off"))
+    with pytest.raises(StateMismatchError) as caught:  # without the cache: "Search failed"
+        make_from_state(uncached)
+    assert caught.value.step == 1
+
+
+def test_changed_corpus_is_caught_on_restore(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(bundled_corpus().read_bytes())
+    env = gymnasium.make(ENV, corpus=str(corpus))
+    env.reset(options={"index": 0})
+    env.step("no idea")
+    env.step(search_call("Zennhaven founded"))
+    state = env.unwrapped.save_state()
+    make_from_state(state)  # same corpus: restores
+    corpus.write_text(corpus.read_text().replace("Zennhaven was founded in", "Zennhaven was "
+                                                                               "settled in"))
+    with pytest.raises(StateMismatchError) as caught:
+        make_from_state(state)
+    assert caught.value.step == 2  # names the search whose passages changed
+
+
+@pytest.mark.parametrize("protocol", ["tool", "tag"])
+def test_oracle_solves_every_bundled_question(protocol: str) -> None:
+    """The scripted oracle (search each supporting title, then answer) finds every
+    supporting passage and earns full reward: the bundled set is answerable by search."""
+    env = gymnasium.make(ENV, protocol=protocol)
+    for qa in bundled("search_qa"):
+        _, info = env.reset(options={"task_id": qa["id"]})
+        *searches, answer = info["privileged"]["oracle_actions"]
+        assert len(searches) == qa["hops"]
+        for action, pid in zip(searches, qa["supporting"], strict=True):
+            assert pid in env.step(action)[-1]["passage_ids"], (qa["id"], action)
+        assert env.step(answer)[1] == 1.0
+
+
+def test_local_data_layouts(tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "question": "Q1?", "golden_answers": ["x", "y"]},
+        {"question": "Q2?", "answer": "z"},
+        {"question": "Q3?", "reward_model": {"ground_truth": {"target": ["w"]}}},
+    ]
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = gymnasium.make(ENV, data_path=str(path))
+    assert [t.task_id for t in env.unwrapped.tasks] == ["a", "qa-1", "qa-2"]
+    assert [t.payload["answers"] for t in env.unwrapped.tasks] == [["x", "y"], ["z"], ["w"]]
+    path.write_text(json.dumps({"question": "no gold"}) + "\n")
+    with pytest.raises(DataError, match="no gold answers"):
+        gymnasium.make(ENV, data_path=str(path))
+    with pytest.raises(DataError, match="dataset must be"):
+        gymnasium.make(ENV, dataset="squad")
+    with pytest.raises(DataError, match="single split"):
+        gymnasium.make(ENV, split="train")
+    with pytest.raises(ValueError, match="protocol"):
+        gymnasium.make(ENV, protocol="json")
