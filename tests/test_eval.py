@@ -97,12 +97,14 @@ def test_a_sigkilled_run_resumes_with_nothing_lost_or_repeated(tmp_path: Path) -
     ]
     with ChatServer(Behaviour(delay=0.15)) as server:
         command += ["--policy", f"openai:m@{server.url}"]
-        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
         log = run / "episodes.jsonl"
         while time.monotonic() < deadline:
             if log.exists() and len(log.read_text().splitlines()) >= 3:
                 break
+            if child.poll() is not None:
+                pytest.fail(f"eval exited early: {child.stderr.read().decode()[-2000:]}")
             time.sleep(0.02)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
