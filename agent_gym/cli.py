@@ -15,6 +15,7 @@ import agent_gym
 from agent_gym.eval import EvalConfig, evaluate, format_table
 from agent_gym.policies import make_policy
 from agent_gym.search import cli as search_cli
+from trainers import cli as trainers_cli
 
 # Suites run every policy given on the env list below: bundled data only, so they work
 # offline. Each entry: env id, constructor arguments, episodes.
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluation.set_defaults(run=_eval)
     search_cli.register(commands)
+    trainers_cli.register(commands)
     return parser
 
 

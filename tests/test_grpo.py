@@ -1,0 +1,158 @@
+"""GRPO end to end on the local backend: it learns, it resumes, its rollouts keep budgets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+from tests import grpo_toy
+from trainers.backends.local import LocalServiceClient
+from trainers.cli import register
+from trainers.episode import build_datum
+from trainers.grpo import Args, parse_args, train
+from trainers.render import ChatRenderer
+from trainers.rollout import RolloutConfig, rollout_group
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def toy_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return grpo_toy.save_tiny_model(tmp_path_factory.mktemp("toy-model"))
+
+
+def toy_args(model: str, out: Path, **overrides: object) -> Args:
+    settings: dict = {
+        "env_id": grpo_toy.ENV_ID, "model": model, "lora_rank": 0, "steps": 30,
+        "batch_size": 4, "group_size": 8, "learning_rate": 1e-2, "max_turns": 2,
+        "max_tokens": 8, "max_trajectory_tokens": 96, "out": str(out), "progress": False,
+        "save_every": 100,
+    }
+    return Args(**(settings | overrides))
+
+
+def test_grpo_raises_reward_on_a_learnable_task(toy_model: str, tmp_path: Path) -> None:
+    history = train(toy_args(toy_model, tmp_path))
+    rewards = [row["reward_mean"] for row in history]
+    before, after = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert after > before + 0.2, rewards
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(30))
+    row = json.loads(lines[-1])
+    for key in ("reward_mean", "degenerate_rate", "sampled_tokens", "trained_tokens", "loss",
+                "time_sampler", "time_rollout", "time_train", "end_reasons"):
+        assert key in row
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 30
+
+
+def test_grpo_with_ppo_and_lora(toy_model: str, tmp_path: Path) -> None:
+    history = train(toy_args(toy_model, tmp_path, steps=3, loss="ppo", lora_rank=4))
+    trained = [row for row in history if row["datums"]]
+    assert trained and all(row["loss"] is not None for row in trained)
+    assert all(0 <= row["degenerate_rate"] <= 1 for row in history)
+
+
+def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
+    toy_model: str, tmp_path: Path
+) -> None:
+    argv = [
+        "--env-id", f"tests.grpo_toy:{grpo_toy.ENV_ID}", "--model", toy_model, "--lora-rank", "0",
+        "--steps", "24", "--batch-size", "2", "--group-size", "4", "--learning-rate", "1e-2",
+        "--max-turns", "2", "--max-tokens", "4", "--max-trajectory-tokens", "64",
+        "--save-every", "2", "--no-progress",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    killed_out = tmp_path / "killed"
+    command = [sys.executable, "-m", "trainers.grpo", *argv, "--out", str(killed_out)]
+    process = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.DEVNULL)
+    checkpoint = killed_out / "checkpoint.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if checkpoint.is_file() and json.loads(checkpoint.read_text())["step"] >= 4:
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert process.wait(timeout=60) == -signal.SIGKILL, "the run ended before it was killed"
+    stopped_at = json.loads(checkpoint.read_text())["step"]
+    assert stopped_at < 24
+
+    resumed = subprocess.run([*command, "--resume"], env=env, cwd=ROOT, timeout=300,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows = [json.loads(line) for line in (killed_out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(24))
+
+    straight = train(parse_args([*argv, "--out", str(tmp_path / "straight")]))
+    assert [row["reward_mean"] for row in rows] == [row["reward_mean"] for row in straight]
+    assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in straight])
+
+
+def test_rollout_never_scores_a_cut_reply(toy_model: str) -> None:
+    service = LocalServiceClient()
+    sampler = service.create_sampling_client(toy_model)
+    renderer = ChatRenderer(sampler.get_tokenizer())
+    config = RolloutConfig(group_size=16, max_turns=2, max_tokens=2, max_trajectory_tokens=64)
+    episodes = asyncio.run(
+        rollout_group(lambda: gymnasium.make(grpo_toy.ENV_ID), {"index": 0}, sampler,
+                      renderer, config, seed=3)
+    )
+    assert len(episodes) == 16
+    cut = [e for e in episodes if e.end_reason == "max_tokens"]
+    assert cut, "with 2 tokens per reply some replies must be cut"
+    for episode in episodes:
+        assert len(episode.turns) <= 2
+        for turn in episode.turns[:-1]:
+            assert renderer.is_finished(turn.completion_tokens)
+        if episode.end_reason == "max_tokens":
+            last = episode.turns[-1]
+            assert last.cut and not renderer.is_finished(last.completion_tokens)
+            assert episode.reward == 0.0
+            # the cut reply was never shown to the env: the transcript ends with it
+            assert episode.messages[-1]["role"] == "assistant"
+        build_datum(episode.turns, 1.0)  # every episode is token-continuous
+    first_prompts = {tuple(e.turns[0].prompt_tokens) for e in episodes}
+    assert len(first_prompts) == 1  # all branches shared the first prompt
+
+
+def test_trajectory_budget_is_respected(toy_model: str) -> None:
+    service = LocalServiceClient()
+    sampler = service.create_sampling_client(toy_model)
+    renderer = ChatRenderer(sampler.get_tokenizer())
+    config = RolloutConfig(group_size=8, max_turns=5, max_tokens=8, max_trajectory_tokens=24)
+    episodes = asyncio.run(
+        rollout_group(lambda: grpo_toy.SayDigitEnv(max_turns=5), {"index": 1}, sampler,
+                      renderer, config, seed=5)
+    )
+    for episode in episodes:
+        assert len(episode.tokens) <= 24
+    too_small = RolloutConfig(group_size=2, max_trajectory_tokens=3)
+    starved = asyncio.run(
+        rollout_group(lambda: grpo_toy.SayDigitEnv(), None, sampler, renderer, too_small)
+    )
+    assert [e.end_reason for e in starved] == ["trajectory_budget"] * 2
+    assert all(not e.turns for e in starved)
+
+
+def test_cli_and_argument_errors() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    parsed = parser.parse_args(["train", "grpo", "--steps", "3", "--help"])
+    assert parsed.argv == ["--steps", "3", "--help"]
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "nowhere"])
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "pytrio", "--lora-rank", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--loss", "dpo"])
+    assert parse_args(["--env-kwargs", '{"max_turns": 3}']).env_kwargs == {"max_turns": 3}

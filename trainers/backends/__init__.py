@@ -1,0 +1,26 @@
+"""Training backends with one client surface: ``local`` (torch) and ``pytrio`` (remote)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("local", "pytrio")
+
+
+def make_service(
+    backend: str, *, checkpoint_dir: str | Path | None = None, api_key: str | None = None
+) -> Any:
+    """A service client: ``LocalServiceClient`` or an authenticated ``pytrio.ServiceClient``.
+
+    Imported lazily: the local backend pulls in torch, the remote one a network session.
+    """
+    if backend == "local":
+        from trainers.backends.local import LocalServiceClient
+
+        return LocalServiceClient(checkpoint_dir=checkpoint_dir)
+    if backend == "pytrio":
+        from trainers.backends.pytrio import connect
+
+        return connect(api_key)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

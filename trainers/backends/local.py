@@ -1,0 +1,440 @@
+"""A local training backend with pytrio's client surface, on torch + transformers.
+
+``LocalServiceClient`` stands where ``pytrio.ServiceClient`` stands, so every trainer runs
+and is tested offline on the same calls it makes against the service:
+``create_lora_training_client`` -> ``forward_backward(datums, loss_fn, loss_fn_config)``,
+``optim_step(AdamParams)``, ``save_weights_and_get_sampling_client()`` -> ``sample(...)``,
+``compute_logprobs``, ``save_state`` / ``load_state(_with_optimizer)`` and
+``create_training_client_from_state(_with_optimizer)``. Inputs and outputs are pytrio's own
+types; batches are validated and counted by pytrio's own planner, so a batch the service
+would reject is rejected here with the same message. Calls run eagerly and return completed
+``APIFuture``s (``.result()`` works as with the service).
+
+Beyond pytrio: ``create_full_training_client`` fine-tunes every weight (useful for tiny
+models), and a ``base_model`` is any spec of ``trainers.models`` (``smollm2``, ``tiny``, a
+local Hugging Face directory). Checkpoint paths are plain directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import shutil
+import tempfile
+import uuid
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from pytrio import AdamParams, Datum
+from pytrio.client.training_batch import plan_training_batch
+from pytrio.model.limits import TrainingLimits
+from pytrio.types import (
+    APIFuture,
+    ForwardBackwardOutput,
+    OptimStepResponse,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsResponse,
+    TensorData,
+)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from trainers.backends.losses import check_loss, token_losses
+from trainers.backends.sampler import LocalSamplingClient
+from trainers.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+META_FILE = "meta.json"
+WEIGHTS_FILE = "weights.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What a training run is: two runs can share a checkpoint only if these agree."""
+
+    base_model: str
+    lora_rank: int  # 0 = full fine-tuning
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+    def mismatches(self, other: TrainingSetup) -> list[str]:
+        mine, theirs = asdict(self), asdict(other)
+        return [
+            f"{k} (this run {mine[k]!r}, checkpoint {theirs[k]!r})"
+            for k in mine
+            if k != "seed" and mine[k] != theirs[k]
+        ]
+
+
+class LocalServiceClient:
+    """Creates local training and sampling clients.
+
+    Args:
+        checkpoint_dir: where ``save_state``/``save_weights_for_sampler`` write; each
+            training client gets its own sub-directory. Default: ``<cache>/checkpoints``.
+        microbatch_tokens: padded tokens per forward pass inside one ``forward_backward``
+            (bounds memory; the gradient does not depend on it).
+    """
+
+    def __init__(
+        self, checkpoint_dir: str | Path | None = None, microbatch_tokens: int = 4096
+    ) -> None:
+        self.checkpoint_dir = Path(checkpoint_dir or cache_dir() / "checkpoints")
+        self.microbatch_tokens = microbatch_tokens
+
+    def get_supported_models(self) -> list[str]:
+        return [DEFAULT_MODEL, "tiny"]
+
+    def create_lora_training_client(
+        self,
+        base_model: str = DEFAULT_MODEL,
+        rank: int = 32,
+        seed: int | None = None,
+        train_mlp: bool = True,
+        train_attn: bool = True,
+        train_unembed: bool = True,
+    ) -> LocalTrainingClient:
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be positive, got {rank}")
+        if not (train_mlp or train_attn or train_unembed):
+            raise ValueError("LoRA needs at least one of train_mlp, train_attn, train_unembed")
+        setup = TrainingSetup(base_model, rank, seed, train_mlp, train_attn, train_unembed)
+        return LocalTrainingClient(setup, self)
+
+    def create_full_training_client(
+        self, base_model: str = DEFAULT_MODEL, seed: int | None = None
+    ) -> LocalTrainingClient:
+        """Fine-tune every weight (not offered by pytrio)."""
+        return LocalTrainingClient(TrainingSetup(base_model, 0, seed), self)
+
+    def create_sampling_client(
+        self, base_model: str = DEFAULT_MODEL, model_path: str | None = None
+    ) -> LocalSamplingClient:
+        if model_path is None:
+            tokenizer = load_tokenizer(base_model)
+            return LocalSamplingClient(load_model(base_model, tokenizer), tokenizer, base_model)
+        setup = _read_meta(model_path)
+        if setup.base_model != base_model:
+            raise ValueError(
+                f"{model_path} holds weights for {setup.base_model!r}, not {base_model!r}"
+            )
+        client = LocalTrainingClient(setup, self)
+        client.load_state(model_path).result()
+        return client.save_weights_and_get_sampling_client()
+
+    def create_training_client_from_state(self, path: str) -> LocalTrainingClient:
+        client = LocalTrainingClient(_read_meta(path), self)
+        client.load_state(path).result()
+        return client
+
+    def create_training_client_from_state_with_optimizer(self, path: str) -> LocalTrainingClient:
+        client = LocalTrainingClient(_read_meta(path), self)
+        client.load_state_with_optimizer(path).result()
+        return client
+
+
+class LocalTrainingClient:
+    """One training run: a model (LoRA-wrapped or fully trainable) and its optimizer."""
+
+    def __init__(self, setup: TrainingSetup, service: LocalServiceClient) -> None:
+        self.setup = setup
+        self.model_id = setup.base_model
+        self._service = service
+        self._dir = service.checkpoint_dir / f"run-{uuid.uuid4().hex[:12]}"
+        self.tokenizer = load_tokenizer(setup.base_model)
+        model = load_model(setup.base_model, self.tokenizer)
+        with torch.random.fork_rng(devices=[]):
+            if setup.seed is not None:
+                torch.manual_seed(setup.seed)
+            self.model = self._make_trainable(model)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._optimizer: torch.optim.AdamW | None = None
+        self.vocab_size = min(len(self.tokenizer), model.get_input_embeddings().num_embeddings)
+        self._limits = TrainingLimits(
+            max_batch_size=None,
+            max_tokens_per_request=None,
+            max_seq_len=getattr(model.config, "max_position_embeddings", None),
+        )
+
+    def _make_trainable(self, model: PreTrainedModel) -> torch.nn.Module:
+        if not self.setup.lora_rank:
+            return model.requires_grad_(True)
+        targets = [
+            *(ATTENTION_MODULES if self.setup.train_attn else ()),
+            *(MLP_MODULES if self.setup.train_mlp else ()),
+            *(("lm_head",) if self.setup.train_unembed else ()),
+        ]
+        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        if not present.intersection(targets):
+            raise ValueError(
+                f"{self.setup.base_model} has none of the modules LoRA targets ({targets})"
+            )
+        config = LoraConfig(
+            r=self.setup.lora_rank,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules=[t for t in targets if t in present],
+        )
+        with warnings.catch_warnings():
+            # peft warns that a tied lm_head adapter complicates merging; it is never merged.
+            warnings.filterwarnings("ignore", message=".*tie(d)?_word_embeddings.*")
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+            return get_peft_model(model, config)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    # ----------------------------------------------------------------- forward / backward
+    def forward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        return APIFuture.completed(self._run(data, loss_fn, loss_fn_config, auto_shift, False))
+
+    def forward_backward(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """Accumulate the gradient of the batch's ``loss_mean`` (see ``losses``)."""
+        return APIFuture.completed(self._run(data, loss_fn, loss_fn_config, auto_shift, True))
+
+    async def forward_backward_async(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, object] | None = None,
+        auto_shift: bool = False,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        result = await asyncio.to_thread(self._run, data, loss_fn, loss_fn_config, auto_shift, True)
+        return APIFuture.completed(result)
+
+    def _run(
+        self,
+        data: Sequence[Datum],
+        loss_fn: str,
+        loss_fn_config: dict[str, object] | None,
+        auto_shift: bool,
+        backward: bool,
+    ) -> ForwardBackwardOutput:
+        if auto_shift:
+            raise ValueError(
+                "the local backend takes pre-shifted datums (auto_shift=False), as "
+                "trainers.episode builds them"
+            )
+        loss_fn = loss_fn.strip().lower()
+        config = check_loss(loss_fn, loss_fn_config)
+        if not all(isinstance(d, Datum) for d in data):
+            raise TypeError("forward_backward takes a list of pytrio.Datum")
+        plan = plan_training_batch(
+            list(data), loss_fn=loss_fn, auto_shift=False, limits=self._limits,
+            tokenizer_vocab_size=self.vocab_size,
+        )
+        samples = [s for chunk in plan.chunks for s in chunk.samples]
+        denominator = plan.totals.total_active_tokens
+        outputs: list[dict[str, TensorData]] = []
+        loss_sum = 0.0
+        for batch in _microbatches(samples, self._service.microbatch_tokens):
+            with torch.set_grad_enabled(backward):
+                terms, logprobs, lengths = self._losses(batch, loss_fn, config)
+                total = terms.sum()
+                if backward and denominator:
+                    (total / denominator).backward()
+            loss_sum += float(total.detach())
+            for row, length in enumerate(lengths):
+                outputs.append(
+                    {
+                        "logprobs": TensorData.from_torch(logprobs[row, :length].detach()),
+                        "elementwise_loss": TensorData.from_torch(terms[row, :length].detach()),
+                    }
+                )
+        return ForwardBackwardOutput(
+            loss_fn_outputs=outputs,
+            metrics={
+                "loss_sum": loss_sum,
+                "loss_mean": loss_sum / denominator if denominator else 0.0,
+                "token_count": float(denominator),
+            },
+        )
+
+    def _losses(
+        self, batch: Sequence[Any], loss_fn: str, config: dict[str, float]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        lengths = [len(s.model_input) for s in batch]
+        width = max(lengths)
+
+        def padded(
+            rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype
+        ) -> torch.Tensor:
+            out = torch.full((len(rows), width), fill, dtype=dtype)
+            for i, row in enumerate(rows):
+                out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+            return out
+
+        ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
+        mask = padded([[1] * n for n in lengths], 0, torch.long)
+        targets = padded([s.target_tokens for s in batch], -100, torch.long)
+        counted = targets != -100
+        if loss_fn == "cross_entropy":
+            inputs = {"weights": padded([s.weights for s in batch], 0.0, torch.float32)}
+            counted &= inputs["weights"] != 0
+        else:
+            inputs = {
+                "logprobs": padded([s.logprobs for s in batch], 0.0, torch.float32),
+                "advantages": padded([s.advantages for s in batch], 0.0, torch.float32),
+            }
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        logprobs = torch.where(counted, picked - torch.logsumexp(logits, dim=-1), 0.0)
+        return token_losses(loss_fn, logprobs, inputs, counted, config), logprobs, lengths
+
+    # ----------------------------------------------------------------- optimizer
+    def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        """One AdamW step on the accumulated gradients, then clear them."""
+        if not isinstance(adam_params, AdamParams):
+            raise TypeError("optim_step takes a pytrio.AdamParams")
+        optimizer = self._ensure_optimizer()
+        for group in optimizer.param_groups:
+            group["lr"] = adam_params.learning_rate
+            group["betas"] = (adam_params.beta1, adam_params.beta2)
+            group["eps"] = adam_params.eps
+            group["weight_decay"] = adam_params.weight_decay
+        limit = adam_params.grad_clip_norm if adam_params.grad_clip_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self._params, limit)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return APIFuture.completed(
+            OptimStepResponse(
+                metrics={"grad_norm": float(norm), "learning_rate": adam_params.learning_rate}
+            )
+        )
+
+    async def optim_step_async(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
+        return await asyncio.to_thread(self.optim_step, adam_params)
+
+    def _ensure_optimizer(self) -> torch.optim.AdamW:
+        if self._optimizer is None:
+            self._optimizer = torch.optim.AdamW(self._params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        return self._optimizer
+
+    # ----------------------------------------------------------------- sampling
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> LocalSamplingClient:
+        """A sampler on a frozen copy of the current weights.
+
+        LoRA stays unmerged: with tied embeddings, merging the ``lm_head`` adapter would
+        also change the input embedding the trained model does not change.
+        """
+        snapshot = copy.deepcopy(self.model)
+        for parameter in snapshot.parameters():
+            parameter.grad = None
+        return LocalSamplingClient(snapshot, self.tokenizer, self.model_id)
+
+    def create_sampling_client(self, model_path: str) -> LocalSamplingClient:
+        return self._service.create_sampling_client(self.model_id, model_path)
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_state(
+        self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
+    ) -> APIFuture[SaveWeightsResponse]:
+        """Weights and optimizer state, for resuming; ``ttl_seconds`` is ignored locally."""
+        path, size = self._save(name, overwrite, with_optimizer=True)
+        return APIFuture.completed(SaveWeightsResponse(path=path, model=self.model_id, size=size))
+
+    def save_weights_for_sampler(
+        self, name: str, ttl_seconds: int | None = None
+    ) -> APIFuture[SaveWeightsForSamplerResponse]:
+        path, size = self._save(f"sampler-{name}", False, with_optimizer=False)
+        return APIFuture.completed(
+            SaveWeightsForSamplerResponse(path=path, model=self.model_id, size=size)
+        )
+
+    def load_state(self, path: str) -> APIFuture[dict[str, object]]:
+        self._load(path, with_optimizer=False)
+        return APIFuture.completed({})
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture[dict[str, object]]:
+        self._load(path, with_optimizer=True)
+        return APIFuture.completed({})
+
+    def _save(self, name: str, overwrite: bool, *, with_optimizer: bool) -> tuple[str, int]:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"checkpoint name {name!r} must be a plain, non-hidden file name")
+        target = self._dir / name
+        if target.exists() and not overwrite:
+            raise FileExistsError(f"checkpoint {target} exists; pass overwrite=True to replace it")
+        self._dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self._dir))
+        if self.setup.lora_rank:
+            weights = {k: v.contiguous() for k, v in get_peft_model_state_dict(
+                self.model, save_embedding_layers=False
+            ).items()}
+            safetensors.torch.save_file(weights, staging / WEIGHTS_FILE)
+        else:
+            safetensors.torch.save_model(self.model, str(staging / WEIGHTS_FILE))
+        if with_optimizer:  # an optimizer that has not stepped yet saves its empty state
+            torch.save(self._ensure_optimizer().state_dict(), staging / OPTIMIZER_FILE)
+        (staging / META_FILE).write_text(json.dumps(asdict(self.setup)), encoding="utf-8")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+        size = sum(f.stat().st_size for f in target.iterdir())
+        return str(target.resolve()), size
+
+    def _load(self, path: str, *, with_optimizer: bool) -> None:
+        saved = _read_meta(path)
+        problems = self.setup.mismatches(saved)
+        if problems:
+            raise ValueError(f"checkpoint {path} is incompatible: {', '.join(problems)}")
+        weights = Path(path) / WEIGHTS_FILE
+        if self.setup.lora_rank:
+            result = set_peft_model_state_dict(self.model, safetensors.torch.load_file(weights))
+            if result.unexpected_keys:
+                unknown = result.unexpected_keys[:3]
+                raise ValueError(f"checkpoint {path} has unknown tensors {unknown}")
+        else:
+            safetensors.torch.load_model(self.model, str(weights))
+        if with_optimizer:
+            state_file = Path(path) / OPTIMIZER_FILE
+            if not state_file.is_file():
+                raise FileNotFoundError(f"checkpoint {path} has no optimizer state")
+            self._ensure_optimizer().load_state_dict(torch.load(state_file, weights_only=True))
+
+
+def _read_meta(path: str) -> TrainingSetup:
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        raise FileNotFoundError(f"{path} is not a local checkpoint (no {META_FILE})")
+    return TrainingSetup(**json.loads(meta.read_text(encoding="utf-8")))
+
+
+def _microbatches(samples: Sequence[Any], budget: int) -> list[list[Any]]:
+    """Consecutive groups whose padded size (rows x longest) stays within ``budget``."""
+    groups: list[list[Any]] = []
+    current: list[Any] = []
+    longest = 0
+    for sample in samples:
+        length = len(sample.model_input)
+        if current and max(longest, length) * (len(current) + 1) > budget:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(sample)
+        longest = max(longest, length)
+    if current:
+        groups.append(current)
+    return groups
+

@@ -1,0 +1,29 @@
+"""``agent-gym train ...``: the trainers' subcommands.
+
+The trainer modules import torch and transformers, so the subcommands hand their arguments
+over unparsed and import the trainer only when it runs; ``agent-gym train grpo --help``
+prints the trainer's own help.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``train grpo`` to the ``agent-gym`` command line."""
+    train = subparsers.add_parser("train", help="train a policy on an agent_gym environment")
+    trainers = train.add_subparsers(dest="trainer", required=True)
+    # No option prefix this parser knows: every argument, --help included, is passed on.
+    grpo = trainers.add_parser(
+        "grpo", help="GRPO (see `agent-gym train grpo --help`)", add_help=False,
+        prefix_chars="\0",
+    )
+    grpo.add_argument("argv", nargs="*")
+    grpo.set_defaults(run=_run_grpo)
+
+
+def _run_grpo(args: argparse.Namespace) -> int:
+    from trainers.grpo import main
+
+    return main(args.argv)

