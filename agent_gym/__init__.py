@@ -30,6 +30,7 @@ __all__ = [
 # No max_episode_steps: each env counts its own turns, which stays right after a restore.
 _ENTRY_POINTS = {
     "agent_gym/GSM8K-v0": "agent_gym.envs.gsm8k:GSM8KEnv",
+    "agent_gym/CodeInterpreter-v0": "agent_gym.envs.code:CodeInterpreterEnv",
     "agent_gym/Search-v0": "agent_gym.envs.search:SearchEnv",
 }
 for _env_id, _entry_point in _ENTRY_POINTS.items():

@@ -1,0 +1,333 @@
+"""CodeInterpreter-v0: ReTool-style math with a Python interpreter in a bubblewrap sandbox."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agent_gym import data
+from agent_gym.core import Opening, Task, TextEnv, Transition
+from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, score_math
+from agent_gym.sandbox import ExecResult, Limits, SandboxError, open_sandbox
+from agent_gym.tools import (
+    ToolCallError,
+    ToolSpec,
+    parse_fenced_code,
+    parse_tool_call,
+    sanitize_tool_output,
+)
+
+CODE_TOOL = ToolSpec(
+    name="code_interpreter",
+    description=(
+        "Run Python 3 code in a sandbox without network access and return what it prints "
+        "(stdout, then stderr). The value of a final expression is shown, as in a notebook."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "the Python code to run"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+)
+_STATE = {
+    "stateful": "Variables, functions and imports persist from one run to the next.",
+    "stateless": "Every run starts a fresh interpreter: nothing persists between runs.",
+}
+TOOL_PROMPT = (
+    "Solve the math problem. You can run Python with the `code_interpreter` tool, one call "
+    "per message and at most {n} calls in all. {state} When you are done, reply without a "
+    "tool call and put the final answer in \\boxed{{}}."
+)
+FENCED_PROMPT = (
+    "Solve the math problem. To run Python, end your message with one ```python code block; "
+    "its output comes back between <interpreter> and </interpreter>. You can run code at "
+    "most {n} times. {state} When you are done, reply without a code block and put the "
+    "final answer in \\boxed{{}}."
+)
+NO_ANSWER = "No code and no final answer found: run code, or give the final answer in \\boxed{}."
+# The DAPO-Math-17k prompt wraps each problem in an instruction for a different answer
+# format ("Answer: ..."); the env asks for \boxed{}, so the problem is cut out of it.
+_DAPO_HEAD = "Solve the following math problem step by step."
+_DAPO_TAIL = "\n\nRemember to put your answer on its own line after"
+HUB_SETS: dict[str, tuple[str, tuple[str | None, ...], str]] = {
+    "dapo": ("BytedTsinghua-SIA/DAPO-Math-17k", (None,), "train"),
+    "aime2025": ("opencompass/AIME2025", ("AIME2025-I", "AIME2025-II"), "test"),
+}
+
+
+class CodeInterpreterEnv(TextEnv):
+    """Multi-turn math with a sandboxed Python tool; the answer goes in ``\\boxed{}``.
+
+    Observation: the problem at reset; after a code call, its output (stdout, stderr, or
+    the timeout / crash note), sanitised and capped at ``max_obs_chars``.
+    Action: the assistant's reply. With ``protocol="tool"`` code runs through a
+    ``code_interpreter`` tool call (Hermes JSON or Qwen3 XML); with ``protocol="fenced"``
+    through a ```python block ending the message (output in ``<interpreter>`` tags). A
+    reply without a call is the final answer: its last ``\\boxed{}`` is graded.
+    Reward: ``reward_correct`` when math-verify finds the answer equal to the reference,
+    ``reward_incorrect`` when it does not or when the turns run out without an answer
+    (so +1/-1 and 1/0 are both a matter of arguments). Invalid steps earn
+    ``-format_penalty``.
+    Episode end: terminated by a boxed answer; truncated after ``max_turns`` replies.
+    Save/restore: the base class replays every reply on a fresh sandbox, so cells are
+    re-executed in order and each output is checked against its saved digest. Cells whose
+    output depends on time or on OS randomness will not replay identically (``random``
+    is seeded and ``PYTHONHASHSEED`` fixed in the sandbox).
+
+    Args:
+        data_path: a JSONL/parquet file of problems: ``problem``/``question``/``prompt``
+            (a string or a chat list) with ``answer`` or ``reward_model.ground_truth``
+            (DAPO-Math-17k and AIME files load as they are); overrides ``dataset``.
+        dataset: ``"bundled"`` (original problems where computing helps), ``"dapo"``
+            (DAPO-Math-17k) or ``"aime2025"`` (both 2025 papers) from the hub.
+        mode: ``"stateful"`` (one notebook-like interpreter per episode) or
+            ``"stateless"`` (a fresh interpreter per call, pre-started by a pool of
+            ``pool_size``).
+        isolation: ``"bwrap"``; ``"rlimits"`` is the explicit, unsafe opt-in for hosts
+            without user namespaces (reported in every step's ``info["isolation"]``).
+        max_code_calls, max_turns, max_obs_chars: the budgets.
+        timeout, memory_mb: per call wall-time (s) and address-space (MiB) limits.
+    """
+
+    env_id = "agent_gym/CodeInterpreter-v0"
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        dataset: str = "bundled",
+        split: str | None = None,
+        mode: str = "stateful",
+        protocol: str = "tool",
+        isolation: str = "bwrap",
+        max_code_calls: int = 6,
+        max_turns: int = 8,
+        max_obs_chars: int = 2000,
+        timeout: float = 10.0,
+        memory_mb: int = 1024,
+        pool_size: int = 1,
+        reward_correct: float = 1.0,
+        reward_incorrect: float = 0.0,
+        format_penalty: float = 0.0,
+        math_timeout: float = DEFAULT_MATH_TIMEOUT,
+        render_mode: str | None = None,
+    ) -> None:
+        if protocol not in ("tool", "fenced"):
+            raise ValueError(f"protocol must be 'tool' or 'fenced', got {protocol!r}")
+        if mode not in _STATE:
+            raise ValueError(f"mode must be 'stateful' or 'stateless', got {mode!r}")
+        if max_code_calls < 0 or max_obs_chars < 100 or memory_mb < 64 or pool_size < 0:
+            raise ValueError(
+                "need max_code_calls >= 0, max_obs_chars >= 100, memory_mb >= 64 and pool_size >= 0"
+            )
+        super().__init__(
+            load_tasks(data_path, dataset, split),
+            max_turns=max_turns,
+            env_kwargs={
+                "data_path": data_path,
+                "dataset": dataset,
+                "split": split,
+                "mode": mode,
+                "protocol": protocol,
+                "isolation": isolation,
+                "max_code_calls": max_code_calls,
+                "max_turns": max_turns,
+                "max_obs_chars": max_obs_chars,
+                "timeout": timeout,
+                "memory_mb": memory_mb,
+                "pool_size": pool_size,
+                "reward_correct": reward_correct,
+                "reward_incorrect": reward_incorrect,
+                "format_penalty": format_penalty,
+                "math_timeout": math_timeout,
+            },
+            render_mode=render_mode,
+        )
+        self.mode = mode
+        self.protocol = protocol
+        self.max_code_calls = max_code_calls
+        self.max_obs_chars = max_obs_chars
+        self.timeout = timeout
+        self.reward_correct = reward_correct
+        self.reward_incorrect = reward_incorrect
+        self.format_penalty = format_penalty
+        self.math_timeout = math_timeout
+        limits = Limits(
+            timeout=timeout, cpu_seconds=max(1, int(timeout)), memory_bytes=memory_mb << 20
+        )
+        self.sandbox = open_sandbox(
+            mode,
+            isolation=isolation,
+            limits=limits,
+            pool_size=pool_size if mode == "stateless" else 0,
+        )
+        self.isolation = self.sandbox.isolation
+        self._calls = 0
+
+    # ------------------------------------------------------------------ episode
+    def _start(self, task: Task) -> Opening:
+        self._calls = 0
+        self.sandbox.reset()
+        prompt = TOOL_PROMPT if self.protocol == "tool" else FENCED_PROMPT
+        problem = task.payload["problem"]
+        return Opening(
+            observation=problem,
+            messages=[
+                {
+                    "role": "system",
+                    "content": prompt.format(n=self.max_code_calls, state=_STATE[self.mode]),
+                },
+                {"role": "user", "content": problem},
+            ],
+            tools=[CODE_TOOL.openai_schema()] if self.protocol == "tool" else [],
+            privileged={
+                "reference_answer": task.payload["answer"],
+                "oracle_actions": self._oracle(task),
+            },
+        )
+
+    def _oracle(self, task: Task) -> list[str]:
+        """A scripted solution: run the bundled program when there is one, then answer."""
+        final = f"The answer is \\boxed{{{task.payload['answer']}}}."
+        program = task.payload.get("program")
+        if not program or self.max_code_calls < 1:
+            return [final]
+        if self.protocol == "fenced":
+            return [f"Let me compute it.\n```python\n{program}\n```", final]
+        call = json.dumps({"name": CODE_TOOL.name, "arguments": {"code": program}})
+        return [f"Let me compute it.\n<tool_call>{call}</tool_call>", final]
+
+    def _step(self, action: str) -> Transition:
+        try:
+            if self.protocol == "tool":
+                call = parse_tool_call(action, [CODE_TOOL])
+                code = None if call is None else str(call.arguments["code"])
+            else:
+                code = parse_fenced_code(action, "python")
+        except ToolCallError as err:
+            return self._invalid(f"Invalid action: {err}.", role="user")
+        if code is not None:
+            return self._run(code)
+        score = score_math(action, self.task.payload["answer"], self.math_timeout)
+        info: dict[str, Any] = {
+            "answer": score.answer,
+            "correct": score.correct,
+            "code_calls": self._calls,
+        }
+        if score.answer is None:
+            return self._invalid(NO_ANSWER, role="user", info=info)
+        reward = self.reward_correct if score.correct else self.reward_incorrect
+        return Transition(
+            f"Final answer: {score.answer}", reward, terminated=True, role="user", info=info
+        )
+
+    def _run(self, code: str) -> Transition:
+        role = "tool" if self.protocol == "tool" else "user"
+        if self._calls >= self.max_code_calls:
+            return self._invalid(
+                f"No code runs left (the budget is {self.max_code_calls}); give the final "
+                "answer in \\boxed{}.",
+                role=role,
+            )
+        info: dict[str, Any] = {"isolation": self.isolation}
+        if self.sandbox.launcher.warning:
+            info["sandbox_warning"] = self.sandbox.launcher.warning
+        try:
+            result = self.sandbox.run(code, timeout=self.timeout)
+        except SandboxError as err:
+            # Not the agent's fault: no call spent and no penalty; the episode goes on.
+            info["sandbox_error"] = str(err)
+            return self._observe(f"The code interpreter failed: {err}. Try again.", role, info)
+        self._calls += 1
+        info.update(_result_info(result), code_calls=self._calls)
+        return self._observe(result.observation(), role, info)
+
+    def _observe(self, text: str, role: str, info: dict[str, Any]) -> Transition:
+        text = sanitize_tool_output(text, self.max_obs_chars)
+        if self.protocol == "fenced":
+            text = f"<interpreter>\n{text}\n</interpreter>"
+        return self._last_turn(Transition(text, role=role, info=info))
+
+    def _invalid(self, message: str, role: str, info: dict[str, Any] | None = None) -> Transition:
+        step = Transition(
+            message, -self.format_penalty or 0.0, invalid=True, role=role, info=dict(info or {})
+        )
+        return self._last_turn(step)
+
+    def _last_turn(self, step: Transition) -> Transition:
+        """An episode that runs out of turns without an answer scores as a wrong answer."""
+        if self.turn + 1 >= self.max_turns:
+            step.reward += self.reward_incorrect
+            step.info["no_answer"] = True
+        return step
+
+    def _close(self) -> None:
+        self.sandbox.close()
+
+
+def _result_info(result: ExecResult) -> dict[str, Any]:
+    return {
+        "exec_status": result.status,
+        "exec_error": result.error,
+        "state_lost": result.state_lost,
+        "exec_seconds": round(result.duration, 4),
+    }
+
+
+# ---------------------------------------------------------------------- data
+def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[Task]:
+    if data_path is not None:
+        records, source = data.load_records(data_path), Path(data_path).stem
+    elif dataset in HUB_SETS:
+        name, configs, default_split = HUB_SETS[dataset]
+        records = [r for c in configs for r in data.load_hub(name, c, split or default_split)]
+        source = dataset
+    elif dataset == "bundled":
+        if split is not None:
+            raise data.DataError(
+                "the bundled set has a single split; pass dataset='dapo' or "
+                "'aime2025' to choose a split"
+            )
+        records, source = data.bundled("code_math"), "code_math"
+    else:
+        raise data.DataError(f"dataset must be 'bundled', 'dapo' or 'aime2025', got {dataset!r}")
+    tasks = []
+    for index, record in enumerate(records):
+        problem, answer = _problem(record), _answer(record)
+        if problem is None or answer is None:
+            raise data.DataError(
+                f"{source}: record {index} needs a problem ('problem', 'question' or "
+                "'prompt') and an answer ('answer' or reward_model.ground_truth)"
+            )
+        extra = record.get("extra_info") if isinstance(record.get("extra_info"), dict) else {}
+        task_id = str(record.get("id") or extra.get("index") or f"{source}-{index}")
+        payload = {"problem": problem, "answer": answer}
+        if isinstance(record.get("program"), str):
+            payload["program"] = record["program"]
+        tasks.append(Task(task_id, payload))
+    return tasks
+
+
+def _problem(record: dict[str, Any]) -> str | None:
+    for key in ("problem", "question"):
+        if isinstance(record.get(key), str) and record[key].strip():
+            return record[key].strip()
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):  # verl/DAPO format: a chat whose last user turn holds it
+        turns = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = turns[-1].get("content") if turns else None
+    if not isinstance(prompt, str) or not prompt.strip():
+        return None
+    if prompt.startswith(_DAPO_HEAD) and _DAPO_TAIL in prompt:
+        prompt = prompt.split("\n\n", 1)[1].rsplit(_DAPO_TAIL, 1)[0]
+    return prompt.strip()
+
+
+def _answer(record: dict[str, Any]) -> str | None:
+    answer = record.get("answer")
+    if answer is None and isinstance(record.get("reward_model"), dict):
+        answer = record["reward_model"].get("ground_truth")
+    if answer is None or isinstance(answer, bool) or str(answer).strip() == "":
+        return None
+    return str(answer).strip()

@@ -1,0 +1,69 @@
+"""Sandbox limits, errors and the fixed environment every sandboxed interpreter gets."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Isolation = Literal["bwrap", "rlimits"]
+ISOLATIONS: tuple[str, ...] = ("bwrap", "rlimits")
+NOBODY = 65534
+MAX_CODE_BYTES = 8 << 20
+
+SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "USER": "sandbox",
+    "LANG": "C.UTF-8",
+    "PYTHONHASHSEED": "0",  # set and dict-of-str orders must replay identically
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+RLIMITS_WARNING = (
+    "agent_gym sandbox is running with isolation='rlimits': model code runs WITHOUT "
+    "namespaces. Its network, the host file system (as uid 65534 when root) and processes "
+    "that escape with setsid are NOT contained; only resource limits apply."
+)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox machinery failed (could not start, broke its protocol); not the code's fault."""
+
+
+class IsolationUnavailableError(SandboxError):
+    """bubblewrap is missing or cannot create its namespaces on this host."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits for one sandboxed interpreter.
+
+    ``timeout`` is wall time per call and is the limit that always holds; ``cpu_seconds`` is
+    per call as well (a persistent worker gets that much more CPU time for every cell).
+    ``memory_bytes`` is ``RLIMIT_AS`` per process and ``processes`` caps the sandbox's
+    process count, so a sandbox can address at most their product. ``file_bytes`` caps every
+    file the code writes, including its captured stdout and stderr; ``output_bytes`` is the
+    tail of each stream that is read back.
+    """
+
+    timeout: float = 10.0
+    cpu_seconds: int = 10
+    memory_bytes: int = 1 << 30
+    file_bytes: int = 16 << 20
+    open_files: int = 64
+    processes: int = 32
+    tmp_bytes: int = 64 << 20
+    output_bytes: int = 64 << 10
+    startup_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"Limits.{name} must be a positive number, got {value!r}")
+        if self.processes < 4:
+            raise ValueError("Limits.processes must be at least 4 (bwrap and the worker)")
+        if self.open_files < 16:
+            raise ValueError("Limits.open_files must be at least 16 (the interpreter needs them)")

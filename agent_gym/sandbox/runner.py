@@ -1,0 +1,330 @@
+"""Running code: stateless calls (optionally from a pool of pre-started workers) and notebooks.
+
+A stateless call gets a fresh interpreter that runs exactly one cell and is then killed, so
+nothing leaks from one call to the next; the pool only moves the ~25 ms start of bwrap and
+the interpreter off the call's critical path. A stateful sandbox keeps one persistent worker
+per episode, like a notebook kernel; when a cell times out or kills its interpreter the
+worker is replaced and the result says plainly that the state was lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from agent_gym.sandbox.config import MAX_CODE_BYTES, Limits, SandboxError
+from agent_gym.sandbox.launch import Launcher
+from agent_gym.sandbox.process import TIMEOUT, WorkerProcess, reaper, spawner
+
+log = logging.getLogger(__name__)
+
+Status = Literal["ok", "error", "timeout", "crashed"]
+STATE_LOST = (
+    "The interpreter was restarted: all variables, functions and imports from earlier "
+    "cells are lost."
+)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one call produced.
+
+    ``status``: ``ok``; ``error`` (the cell raised; the interpreter lives on); ``timeout``
+    (stopped at the wall-time limit); ``crashed`` (the interpreter died: CPU limit, a
+    signal, ``os._exit``). ``error`` names the exception or the cause of death. Output is
+    the tail of each stream; ``*_omitted`` counts the bytes dropped before it.
+    ``observation()`` is deterministic (no timings), so replays compare equal.
+    """
+
+    status: Status
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    stdout_omitted: int = 0
+    stderr_omitted: int = 0
+    output_capped: bool = False
+    timeout: float = 0.0
+    duration: float = 0.0
+    state_lost: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def observation(self) -> str:
+        """The text a model sees: stdout, then stderr, then what went wrong."""
+        parts: list[str] = []
+        for text, omitted in (
+            (self.stdout, self.stdout_omitted),
+            (self.stderr, self.stderr_omitted),
+        ):
+            if omitted:
+                parts.append(f"[... {omitted} earlier bytes of output omitted ...]\n")
+            if text:
+                parts.append(text if text.endswith("\n") else text + "\n")
+        notes: list[str] = []
+        if self.output_capped:
+            notes.append("[output stopped: the output size limit was reached]")
+        if self.status == "timeout":
+            notes.append(
+                f"TimeoutError: the code ran longer than {self.timeout:g} s and was stopped."
+            )
+        elif self.status == "crashed":
+            notes.append(f"The Python interpreter died: {self.error}.")
+        if self.state_lost:
+            notes.append(STATE_LOST)
+        text = "".join(parts) + "\n".join(notes)
+        return text.rstrip("\n") if text.strip() else "(no output)"
+
+
+def _execute(launcher: Launcher, worker: WorkerProcess, code: str, timeout: float) -> ExecResult:
+    """Send one cell to ``worker`` and collect its result; the worker may be left dead."""
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    if len(code.encode("utf-8", errors="surrogatepass")) > MAX_CODE_BYTES:
+        raise ValueError(f"code is longer than {MAX_CODE_BYTES} bytes")
+    limits = launcher.limits
+    worker.clear_output()
+    sent = worker.send({"code": code}, time.monotonic() + limits.startup_timeout + timeout)
+    launcher.wait_ready(worker)
+    started = time.monotonic()
+    reply = worker.receive(started + timeout) if sent else None
+    duration = time.monotonic() - started
+    if reply is TIMEOUT:
+        worker.terminate()
+        status: Status = "timeout"
+        error: str | None = "TimeoutError"
+    elif isinstance(reply, str) and reply.split(" ")[0] in ("ok", "error"):
+        word, _, name = reply.partition(" ")
+        status = "ok" if word == "ok" else "error"
+        error = name or None
+    else:  # the worker died, or broke the protocol
+        worker.wait_exit(1.0)  # read its own exit status before a kill overwrites it
+        status, error = "crashed", worker.exit_description()
+        worker.terminate()
+    stdout, stdout_omitted = worker.read_output("stdout")
+    stderr, stderr_omitted = worker.read_output("stderr")
+    capped = (
+        max(stdout_omitted + len(stdout.encode()), stderr_omitted + len(stderr.encode()))
+        >= limits.file_bytes
+    )
+    return ExecResult(
+        status=status,
+        stdout=stdout,
+        stderr=stderr,
+        error=error,
+        stdout_omitted=stdout_omitted,
+        stderr_omitted=stderr_omitted,
+        output_capped=capped,
+        timeout=timeout,
+        duration=duration,
+    )
+
+
+def _timeout(limits: Limits, timeout: float | None) -> float:
+    if timeout is None:
+        return limits.timeout
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class StatelessSandbox:
+    """Every call runs in a fresh sandboxed interpreter that is killed right after it.
+
+    With ``pool_size > 0`` that many workers are kept started ahead of time (each still
+    serves exactly one call) and replaced in the background. Thread-safe.
+    """
+
+    mode = "stateless"
+
+    def __init__(self, launcher: Launcher, *, pool_size: int = 0) -> None:
+        if not isinstance(pool_size, int) or pool_size < 0:
+            raise ValueError(f"pool_size must be a non-negative int, got {pool_size!r}")
+        self.launcher = launcher
+        self.pool_size = pool_size
+        self._idle: deque[WorkerProcess] = deque()
+        self._pending = 0
+        self._retiring: set[Future[None]] = set()
+        self._spawning: set[Future[WorkerProcess]] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._refill()
+
+    @property
+    def isolation(self) -> str:
+        return self.launcher.isolation
+
+    def reset(self) -> None:
+        """Nothing to drop: no call sees another's state. (Same interface as the notebook.)"""
+        if self._closed:
+            raise SandboxError("this sandbox is closed")
+
+    def run(self, code: str, *, timeout: float | None = None) -> ExecResult:
+        seconds = _timeout(self.launcher.limits, timeout)
+        worker = self._acquire()
+        try:
+            return _execute(self.launcher, worker, code, seconds)
+        finally:
+            self._retire(worker)
+
+    def _retire(self, worker: WorkerProcess) -> None:
+        """Tear the used worker down on the reaper thread: the caller has its result."""
+        future = reaper().submit(worker.close)
+        with self._lock:
+            self._retiring.add(future)
+        future.add_done_callback(self._retired)
+
+    def _retired(self, future: Future[None]) -> None:
+        with self._lock:
+            self._retiring.discard(future)
+
+    def _acquire(self) -> WorkerProcess:
+        with self._lock:
+            if self._closed:
+                raise SandboxError("this sandbox is closed")
+            worker = self._idle.popleft() if self._idle else None
+        self._refill()
+        while worker is not None and not worker.alive:
+            worker.close()
+            with self._lock:
+                worker = self._idle.popleft() if self._idle else None
+        return worker or self.launcher.spawn(single=True)
+
+    def _refill(self) -> None:
+        with self._lock:
+            missing = self.pool_size - len(self._idle) - self._pending
+            if self._closed or missing <= 0:
+                return
+            self._pending += missing
+        for _ in range(missing):
+            future = spawner().submit(lambda: self.launcher.spawn(single=True))
+            with self._lock:
+                self._spawning.add(future)
+            future.add_done_callback(self._arrived)
+
+    def _arrived(self, future: Future[WorkerProcess]) -> None:
+        error = future.exception()
+        with self._lock:
+            self._pending -= 1
+            self._spawning.discard(future)
+            closed = self._closed
+            if error is None and not closed:
+                self._idle.append(future.result())
+        if error is not None:
+            log.warning("a pooled sandbox worker failed to start: %s", error)
+        elif closed:
+            future.result().close()
+
+    def close(self) -> None:
+        """Kill the pre-started workers and wait for used ones to be gone. Idempotent.
+
+        Later calls raise.
+        """
+        with self._lock:
+            self._closed = True
+            idle, self._idle = list(self._idle), deque()
+            retiring, spawning = list(self._retiring), list(self._spawning)
+        for worker in idle:
+            worker.close()
+        wait(retiring)
+        for future in wait(spawning).done:  # a refill that lands now is not left running
+            if future.exception() is None:
+                future.result().close()
+
+    def __enter__(self) -> StatelessSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StatefulSandbox:
+    """One persistent sandboxed interpreter that keeps its globals between calls.
+
+    A cell that raises (``MemoryError`` included) leaves the state intact. A cell that
+    times out or kills the interpreter loses it: the worker is replaced, and the result
+    carries ``state_lost=True`` and says so in its observation.
+    """
+
+    mode = "stateful"
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self._worker: WorkerProcess | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def isolation(self) -> str:
+        return self.launcher.isolation
+
+    def reset(self) -> None:
+        """Drop all state and start a fresh interpreter (it warms up in the background)."""
+        with self._lock:
+            self._replace_worker()
+
+    def _replace_worker(self) -> None:
+        if self._closed:
+            raise SandboxError("this sandbox is closed")
+        if self._worker is not None:
+            self._worker.close()
+        self._worker = None
+        self._worker = self.launcher.spawn(single=False)
+
+    def run(self, code: str, *, timeout: float | None = None) -> ExecResult:
+        seconds = _timeout(self.launcher.limits, timeout)
+        with self._lock:
+            if self._worker is None:
+                self._replace_worker()
+            assert self._worker is not None
+            result = _execute(self.launcher, self._worker, code, seconds)
+            if result.status in ("timeout", "crashed"):
+                self._replace_worker()
+                result = replace(result, state_lost=True)
+            return result
+
+    def close(self) -> None:
+        """Kill the interpreter; later calls raise. Idempotent."""
+        with self._lock:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
+
+    def __enter__(self) -> StatefulSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_sandbox(
+    mode: str = "stateless",
+    *,
+    isolation: str = "bwrap",
+    limits: Limits | None = None,
+    pool_size: int = 0,
+    preload: Sequence[str] = (),
+    python: str | None = None,
+) -> StatelessSandbox | StatefulSandbox:
+    """A sandbox in ``mode`` ('stateless' or 'stateful'), checked to start on this host.
+
+    Raises ``IsolationUnavailableError`` when bwrap cannot run, unless the caller opted in to
+    ``isolation='rlimits'`` (which warns, and reports itself through ``.isolation``).
+    """
+    if mode not in ("stateless", "stateful"):
+        raise ValueError(f"mode must be 'stateless' or 'stateful', got {mode!r}")
+    launcher = Launcher(isolation=isolation, limits=limits, python=python, preload=preload)
+    launcher.probe()
+    if mode == "stateful":
+        if pool_size:
+            raise ValueError("pool_size applies to the stateless mode only")
+        return StatefulSandbox(launcher)
+    return StatelessSandbox(launcher, pool_size=pool_size)

@@ -1,0 +1,179 @@
+"""Sandbox speed: per-call latency and throughput of each mode next to a plain subprocess.
+
+Modes, all running ``print(1 + 1)``:
+
+- ``plain``: the unisolated baseline, ``subprocess.run([python, "-S", "-c", code])`` with
+  captured output, measured in the same run;
+- ``stateless``: a fresh bwrap sandbox and interpreter per call;
+- ``pooled``: stateless calls served by pre-started single-use sandboxes (pool of 4);
+- ``stateful``: one persistent sandboxed interpreter per client (a notebook).
+
+Two phases per mode and concurrency (1, 2, 4 client threads):
+
+- latency: each client makes calls with a 50 ms pause between them, as an agent does while
+  the model generates; p50/p99 of the call time;
+- throughput: clients call back to back for a fixed time; calls per second.
+
+Ratios are against ``plain`` at the same concurrency. Writes
+``benchmarks/results/sandbox.json`` and prints a table. Takes about a minute.
+
+    python benchmarks/bench_sandbox.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent_gym.sandbox import Limits, StatefulSandbox, open_sandbox
+
+CODE = "print(1 + 1)"
+RESULTS = Path(__file__).parent / "results" / "sandbox.json"
+Call = Callable[[], None]
+
+
+def _plain() -> Call:
+    def run() -> None:
+        out = subprocess.run([sys.executable, "-S", "-c", CODE], capture_output=True, text=True)
+        assert out.stdout == "2\n", out
+
+    return run
+
+
+def _checked(run: Callable[[str], Any]) -> Call:
+    def call() -> None:
+        result = run(CODE)
+        assert result.stdout == "2\n", result.observation()
+
+    return call
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _clients(calls: list[Call], body: Callable[[Call, list[float]], None]) -> list[float]:
+    latencies: list[list[float]] = [[] for _ in calls]
+    threads = [
+        threading.Thread(target=body, args=(call, out))
+        for call, out in zip(calls, latencies, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [x for out in latencies for x in out]
+
+
+def measure(calls: list[Call], paced: int, seconds: float) -> dict[str, float]:
+    """Latency with pauses between calls, then back-to-back throughput."""
+
+    def pace(call: Call, out: list[float]) -> None:
+        for _ in range(paced):
+            start = time.perf_counter()
+            call()
+            out.append(time.perf_counter() - start)
+            time.sleep(0.05)
+
+    latencies = _clients(calls, pace)
+    counts: list[int] = []
+    stop = time.perf_counter() + seconds
+
+    def flood(call: Call, out: list[float]) -> None:
+        n = 0
+        while time.perf_counter() < stop:
+            call()
+            n += 1
+        counts.append(n)
+
+    start = time.perf_counter()
+    _clients(calls, flood)
+    elapsed = time.perf_counter() - start
+    return {
+        "p50_ms": round(1000 * _percentile(latencies, 0.5), 2),
+        "p99_ms": round(1000 * _percentile(latencies, 0.99), 2),
+        "latency_samples": len(latencies),
+        "throughput_per_s": round(sum(counts) / elapsed, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    args = parser.parse_args()
+    paced, seconds = (5, 0.5) if args.quick else (25, 2.0)
+    limits = Limits(timeout=10.0)
+    stateless = open_sandbox("stateless", limits=limits)
+    pooled = open_sandbox("stateless", limits=limits, pool_size=4)
+    notebooks = [open_sandbox("stateful", limits=limits) for _ in range(4)]
+    rows: list[dict[str, Any]] = []
+    try:
+        for notebook in notebooks:  # start the interpreters before timing
+            notebook.run("pass")
+        time.sleep(0.5)  # let the pool fill
+        for concurrency in (1, 2, 4):
+            modes: dict[str, list[Call]] = {
+                "plain": [_plain() for _ in range(concurrency)],
+                "stateless": [_checked(stateless.run) for _ in range(concurrency)],
+                "pooled": [_checked(pooled.run) for _ in range(concurrency)],
+                "stateful": [_checked(nb.run) for nb in notebooks[:concurrency]],
+            }
+            figures = {mode: measure(calls, paced, seconds) for mode, calls in modes.items()}
+            base = figures["plain"]
+            for mode, figure in figures.items():
+                rows.append(
+                    {
+                        "mode": mode,
+                        "concurrency": concurrency,
+                        **figure,
+                        "p50_vs_plain": round(figure["p50_ms"] / base["p50_ms"], 3),
+                        "throughput_vs_plain": round(
+                            figure["throughput_per_s"] / base["throughput_per_s"], 2
+                        ),
+                    }
+                )
+    finally:
+        stateless.close()
+        pooled.close()
+        for notebook in notebooks:
+            assert isinstance(notebook, StatefulSandbox)
+            notebook.close()
+    report = {
+        "benchmark": "sandbox",
+        "workload": CODE,
+        "isolation": stateless.isolation,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        },
+        "method": "latency: clients pause 50 ms between calls; throughput: back to back for "
+        f"{seconds} s; ratios against the plain subprocess at the same concurrency",
+        "results": rows,
+    }
+    if not args.quick:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    header = (
+        f"{'mode':<10}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}{'p50 x':>8}{'tput x':>8}"
+    )
+    print(header)
+    for row in rows:
+        print(
+            f"{row['mode']:<10}{row['concurrency']:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}"
+            f"{row['throughput_per_s']:>9}{row['p50_vs_plain']:>8}{row['throughput_vs_plain']:>8}"
+        )
+
+
+if __name__ == "__main__":
+    main()
