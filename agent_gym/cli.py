@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +18,27 @@ from agent_gym.policies import make_policy
 from agent_gym.search import cli as search_cli
 from trainers import cli as trainers_cli
 
-# Suites run every policy given on the env list below: bundled data only, so they work
-# offline. Each entry: env id, constructor arguments, episodes.
-SUITES: dict[str, list[tuple[str, dict[str, Any], int]]] = {
+
+@dataclass(frozen=True)
+class SuiteEntry:
+    """One env of a suite: scripted baselines are cheap and get more episodes than models."""
+
+    env_id: str
+    env_kwargs: dict[str, Any]
+    episodes: int
+    model_episodes: int
+
+    def episodes_for(self, policy_spec: str) -> int:
+        return self.episodes if policy_spec in SCRIPTED_POLICIES else self.model_episodes
+
+
+SCRIPTED_POLICIES = ("oracle", "random")
+# Suites run on bundled data only, so they work offline.
+SUITES: dict[str, list[SuiteEntry]] = {
     "default": [
-        ("agent_gym/GSM8K-v0", {}, 6),
-        ("agent_gym/Search-v0", {}, 6),
+        SuiteEntry("agent_gym/GSM8K-v0", {}, episodes=20, model_episodes=4),
+        SuiteEntry("agent_gym/CodeInterpreter-v0", {}, episodes=20, model_episodes=2),
+        SuiteEntry("agent_gym/Search-v0", {}, episodes=20, model_episodes=2),
     ],
 }
 SUITE_POLICIES = ["oracle", "local"]
@@ -75,17 +91,18 @@ def _eval(args: argparse.Namespace) -> int:
         kwargs = dict(args.env_arg)
         if args.split is not None:
             kwargs["split"] = args.split
-        plan = [(args.env_id, kwargs, args.episodes or 10)]
+        plan = [SuiteEntry(args.env_id, kwargs, args.episodes or 10, args.episodes or 10)]
         policies = args.policy or ["oracle"]
     summaries = []
     for policy_spec in policies:
         policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens)
-        for env_id, kwargs, episodes in plan:
-            config = EvalConfig(env_id, policy_spec, args.episodes or episodes, args.seed, kwargs)
+        for entry in plan:
+            episodes = args.episodes or entry.episodes_for(policy_spec)
+            config = EvalConfig(entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs)
             out_dir = Path(args.out)
             if args.suite is not None:
-                out_dir = out_dir / env_id.removeprefix("agent_gym/") / policy_spec.replace(
-                    "/", "_").replace(":", "_")
+                run_name = policy_spec.replace("/", "_").replace(":", "_")
+                out_dir = out_dir / entry.env_id.removeprefix("agent_gym/") / run_name
             summaries.append(asyncio.run(
                 evaluate(config, policy, out_dir, concurrency=args.concurrency,
                          progress=not args.quiet, make_env=_env_factory(config, args.ray))

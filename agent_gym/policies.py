@@ -12,8 +12,11 @@ Specs for the command line:
 * ``openai:MODEL@BASE_URL`` — any OpenAI-compatible chat endpoint (vLLM, SGLang,
   llama.cpp, OpenAI); the key comes from ``$OPENAI_API_KEY``; append ``#text`` to describe
   tools in the prompt instead of passing them natively;
-* ``local[:MODEL]`` — a transformers model on this machine (default: the embedded
-  SmolLM2-135M-Instruct; any local Hugging Face directory works).
+* ``local[:MODEL][@CHECKPOINT]`` — the local torch backend's sampler (default model: the
+  embedded SmolLM2-135M-Instruct; ``tiny``, or any local Hugging Face directory; a
+  checkpoint saved by ``agent-gym train``);
+* ``pytrio:MODEL[@CHECKPOINT]`` — a PyTRIO sampler of a base model or a trained checkpoint
+  (credentials as for ``pytrio``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import json
 import os
 import random
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -258,51 +260,54 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-# --------------------------------------------------------------------- local transformers
-class LocalModelPolicy:
-    """A transformers causal LM on this machine, prompted with its own chat template.
+# --------------------------------------------------------------------- samplers
+class SamplerPolicy:
+    """A pytrio-style sampling client: the remote service's or the local torch backend's.
 
-    Generation runs in a worker thread behind a lock: one model, one forward pass at a time,
-    while envs keep stepping concurrently.
+    Both expose ``sample_async(ModelInput, num_samples, SamplingParams)`` and
+    ``get_tokenizer()``; prompts are rendered with the tokenizer's own chat template, the
+    same way the trainers render them, so an eval sees exactly what training sampled from.
     """
 
     def __init__(
-        self, model: str = "smollm2", *, max_new_tokens: int = 256, temperature: float = 0.0,
-        seed: int = 0,
+        self, name: str, sampling_client: Any, *, max_tokens: int = 256,
+        temperature: float = 0.0, seed: int = 0,
     ) -> None:
-        from trainers.models import load_model, load_tokenizer
+        from trainers.render import ChatRenderer
 
-        self.name = f"local:{model}"
-        self.tokenizer = load_tokenizer(model)
-        self.model = load_model(model)
-        self.model.eval()
-        self.max_new_tokens = max_new_tokens
+        self.name = name
+        self.client = sampling_client
+        self.renderer = ChatRenderer(sampling_client.get_tokenizer())
+        self.max_tokens = max_tokens
         self.temperature = temperature
         self.seed = seed
-        self._lock = threading.Lock()
 
     async def act(self, observation: PolicyInput) -> Reply:
-        return await asyncio.to_thread(self._generate, observation)
+        from pytrio import ModelInput, SamplingParams
 
-    def _generate(self, observation: PolicyInput) -> Reply:
-        import torch
-
-        prompt = self.tokenizer.apply_chat_template(
-            observation.messages, tools=observation.tools or None,
-            add_generation_prompt=True, tokenize=True, return_dict=False,
+        prompt = self.renderer.prompt(observation.messages, observation.tools or None)
+        params = SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature,
+            seed=self.seed + observation.turn, stop=sorted(self.renderer.stop_tokens),
         )
-        with self._lock, torch.no_grad():
-            torch.manual_seed(self.seed + observation.turn)
-            sampling = {"do_sample": True, "temperature": self.temperature} \
-                if self.temperature > 0 else {"do_sample": False}
-            output = self.model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=self.max_new_tokens, pad_token_id=self.tokenizer.eos_token_id,
-                **sampling,
-            )
-        completion = output[0, len(prompt):].tolist()
-        text = self.tokenizer.decode(completion, skip_special_tokens=True)
-        return Reply(text, len(prompt), len(completion))
+        response = await self.client.sample_async(
+            ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
+        )
+        completion = list(response.sequences[0].tokens)
+        return Reply(self.renderer.completion_text(completion), len(prompt), len(completion))
+
+
+def sampler_policy(spec: str, *, seed: int, max_tokens: int) -> SamplerPolicy:
+    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``."""
+    from trainers.backends import make_service
+
+    backend, _, rest = spec.partition(":")
+    model, _, checkpoint = rest.partition("@")
+    if backend == "pytrio" and not model:
+        raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
+    service = make_service(backend)
+    client = service.create_sampling_client(model or "smollm2", checkpoint or None)
+    return SamplerPolicy(spec, client, max_tokens=max_tokens, seed=seed)
 
 
 # --------------------------------------------------------------------- specs
@@ -322,9 +327,9 @@ def make_policy(spec: str, *, seed: int = 0, max_tokens: int = 256) -> Policy:
         return OpenAIChatPolicy(
             model, base_url, native_tools=mode != "text", max_tokens=max_tokens
         )
-    if spec == "local" or spec.startswith("local:"):
-        model = spec.partition(":")[2] or "smollm2"
-        return LocalModelPolicy(model, max_new_tokens=max_tokens, seed=seed)
+    if spec == "local" or spec.startswith(("local:", "pytrio:")):
+        return sampler_policy(spec, seed=seed, max_tokens=max_tokens)
     raise ValueError(
-        f"unknown policy {spec!r}; use oracle, random, openai:MODEL@URL or local[:MODEL]"
+        f"unknown policy {spec!r}; use oracle, random, openai:MODEL@URL, local[:MODEL] or "
+        "pytrio:MODEL[@CHECKPOINT]"
     )

@@ -174,3 +174,13 @@ def test_wilson_interval() -> None:
     low, high = wilson_interval(0, 10)
     assert low == 0.0 and 0.27 < high < 0.31
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_local_sampler_policy_plays_an_episode(tmp_path: Path) -> None:
+    policy = make_policy("local:tiny", max_tokens=8)
+    assert policy.name == "local:tiny"
+    config = EvalConfig(GSM8K, "local:tiny", episodes=2, env_kwargs={"max_turns": 2})
+    summary = asyncio.run(evaluate(config, policy, tmp_path, concurrency=2, progress=False))
+    assert summary.episodes == 2 and summary.errors == 0
+    record = _episodes(tmp_path)[0]
+    assert 1 <= record["completion_tokens"] <= 16 and record["prompt_tokens"] > 20

@@ -13,6 +13,8 @@ from pytrio import AdamParams, ModelInput, SamplingParams
 from pytrio.errors.base import ValidationError
 from pytrio.protocol.actor.events.event import EventType
 
+from agent_gym.eval import EvalConfig, evaluate
+from agent_gym.policies import SamplerPolicy
 from tests import grpo_toy
 from tests.pytrio_double import (
     MAX_SAMPLES_PER_REQUEST,
@@ -129,3 +131,13 @@ def test_backend_factory() -> None:
     assert isinstance(make_service("local"), LocalServiceClient)
     with pytest.raises(ValueError, match="unknown backend"):
         make_service("elsewhere")
+
+
+def test_eval_with_a_pytrio_sampler_policy(server: FakePytrioServer, tmp_path: Path) -> None:
+    client = FakeServiceClient(server).create_sampling_client(MODEL_ID)
+    policy = SamplerPolicy(f"pytrio:{MODEL_ID}", client, max_tokens=4)
+    config = EvalConfig(grpo_toy.ENV_ID, policy.name, episodes=3)
+    summary = asyncio.run(evaluate(config, policy, tmp_path, progress=False))
+    assert summary.episodes == 3 and summary.errors == 0
+    assert summary.mean_tokens is not None and 1 <= summary.mean_tokens <= 8
+    assert len(server.samples) >= 3  # every reply went through pytrio's client and wire types
