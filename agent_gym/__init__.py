@@ -32,6 +32,7 @@ _ENTRY_POINTS = {
     "agent_gym/GSM8K-v0": "agent_gym.envs.gsm8k:GSM8KEnv",
     "agent_gym/CodeInterpreter-v0": "agent_gym.envs.code:CodeInterpreterEnv",
     "agent_gym/Search-v0": "agent_gym.envs.search:SearchEnv",
+    "agent_gym/ALFWorld-v0": "agent_gym.envs.alfworld:ALFWorldEnv",
 }
 for _env_id, _entry_point in _ENTRY_POINTS.items():
     if _env_id not in gymnasium.registry:

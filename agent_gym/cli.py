@@ -13,6 +13,7 @@ from typing import Any
 import gymnasium
 
 import agent_gym
+from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.eval import EvalConfig, evaluate, format_table
 from agent_gym.policies import make_policy
 from agent_gym.search import cli as search_cli
@@ -39,6 +40,8 @@ SUITES: dict[str, list[SuiteEntry]] = {
         SuiteEntry("agent_gym/GSM8K-v0", {}, episodes=20, model_episodes=4),
         SuiteEntry("agent_gym/CodeInterpreter-v0", {}, episodes=20, model_episodes=2),
         SuiteEntry("agent_gym/Search-v0", {}, episodes=20, model_episodes=2),
+        # Bundled synthetic games; the longest walkthrough is 11 commands.
+        SuiteEntry("agent_gym/ALFWorld-v0", {"max_turns": 12}, episodes=12, model_episodes=2),
     ],
 }
 SUITE_POLICIES = ["oracle", "local"]
@@ -147,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluation.set_defaults(run=_eval)
     search_cli.register(commands)
+    alfworld_cli.register(commands)
     trainers_cli.register(commands)
     return parser
 

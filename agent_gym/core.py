@@ -109,13 +109,15 @@ class Opening:
     """How an episode begins: the first observation and the chat an actor is shown.
 
     ``privileged`` holds what a critic may see and the actor must not (reference answers,
-    gold passages, walkthroughs); it never enters ``messages``.
+    gold passages, walkthroughs); it never enters ``messages``. ``info`` adds env-specific
+    keys to the reset info (such as the admissible actions a scripted policy picks from).
     """
 
     observation: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] = field(default_factory=list)
     privileged: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,6 +186,18 @@ class TextEnv(gymnasium.Env[str, str]):
     def _close(self) -> None:
         """Release engines, sandboxes or connections; called by ``close``."""
 
+    def _fast_forward(self, state: EnvState) -> list[Transition]:
+        """Optional faster restore: called during a restore right after ``_start``.
+
+        An env that can jump its engine straight to the end of a leading run of
+        ``state.actions`` (a snapshot it took itself while playing exactly this task and these
+        actions) does so and returns the transitions those actions produced; the base class
+        records them and checks each against ``state.digests`` as if replayed, then replays
+        the remaining actions through ``_step``. Return only transitions whose observation
+        digests match the state's; [] (the default) means a full replay.
+        """
+        return []
+
     # ----------------------------------------------------------------- gymnasium API
     @property
     def turn(self) -> int:
@@ -226,6 +240,12 @@ class TextEnv(gymnasium.Env[str, str]):
             )
         else:
             result = self._step(action)
+        return self._advance(action, result)
+
+    def _advance(
+        self, action: str, result: Transition
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Record one action and what it did; the bookkeeping half of ``step``."""
         self._actions.append(action)
         self._digests.append(digest(result.observation))
         self._transcript.append(result.observation)
@@ -292,19 +312,22 @@ class TextEnv(gymnasium.Env[str, str]):
         observation = opening.observation
         info: dict[str, Any] = {}
         history: list[dict[str, Any]] = []
+        ahead = self._fast_forward(state) if state.actions else []
         for step_index, action in enumerate(state.actions, start=1):
             if self._done:
                 raise StateMismatchError(
                     step_index, state.digests[step_index], "(episode already over)",
                     f"the replayed episode ended before step {step_index}",
                 )
-            observation, _, _, _, info = self.step(action)
+            if step_index <= len(ahead):
+                observation, _, _, _, info = self._advance(action, ahead[step_index - 1])
+            else:
+                observation, _, _, _, info = self.step(action)
             self._check(step_index, state.digests[step_index], observation)
             history += [{"role": "assistant", "content": action}, info["message"]]
         restored = self._opening_info(opening)
-        if state.actions:
-            restored["message"] = info["message"]
-            restored["invalid"] = info["invalid"]
+        # After replay the info is the last step's (its message, validity, env keys).
+        restored.update(info)
         # The chat after the opening messages, so a restored branch can rebuild its prompt.
         restored["history"] = history
         restored["restored_depth"] = state.depth
@@ -346,6 +369,7 @@ class TextEnv(gymnasium.Env[str, str]):
 
     def _opening_info(self, opening: Opening) -> dict[str, Any]:
         return {
+            **opening.info,
             "task_id": self.task.task_id,
             "messages": opening.messages,
             "tools": opening.tools,

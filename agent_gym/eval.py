@@ -64,6 +64,8 @@ class Summary:
     mean_tokens: float | None
     latency_p50: float
     latency_p95: float
+    # Generated stand-in data (the bundled ALFWorld games): never a benchmark number.
+    synthetic: bool = False
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -106,6 +108,7 @@ def summarize(config: EvalConfig, records: list[dict[str, Any]], errors: int) ->
         mean_tokens=statistics.fmean(tokens) if tokens else None,
         latency_p50=percentile(latencies, 0.5),
         latency_p95=percentile(latencies, 0.95),
+        synthetic=any(r.get("synthetic", False) for r in records),
     )
 
 
@@ -115,7 +118,8 @@ def format_table(summaries: Sequence[Summary]) -> str:
     rows = [header]
     for s in summaries:
         rows.append((
-            s.env_id.removeprefix("agent_gym/"), s.policy, str(s.episodes),
+            s.env_id.removeprefix("agent_gym/") + (" (synthetic data)" if s.synthetic else ""),
+            s.policy, str(s.episodes),
             f"{s.success_rate:.2f} [{s.success_low:.2f}, {s.success_high:.2f}]",
             f"{s.mean_reward:.3f}", f"{s.mean_turns:.1f}",
             "-" if s.mean_tokens is None else f"{s.mean_tokens:.0f}",
@@ -196,6 +200,7 @@ async def play_episode(
     _, info = await asyncio.to_thread(env.reset, seed=seed)
     messages = list(info["messages"])
     tools, privileged = info["tools"], info["privileged"]
+    synthetic = bool(info.get("synthetic", False))
     total_reward, invalid, turns = 0.0, 0, 0
     prompt_tokens: int | None = 0
     completion_tokens: int | None = 0
@@ -215,6 +220,7 @@ async def play_episode(
         "episode": episode,
         "seed": seed,
         "task_id": state.task_id,
+        "synthetic": synthetic,
         "reward": total_reward,
         "success": total_reward > 0,
         "terminated": bool(terminated),
