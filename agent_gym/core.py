@@ -10,8 +10,11 @@ checking each observation. Subclasses only describe their task: how an episode o
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import multiprocessing
+import os
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -135,21 +138,53 @@ class Transition:
 class TextEnv(gymnasium.Env[str, str]):
     """A text environment for LLM agents with replayable, verifiable save/restore.
 
-    Subclasses set ``env_id``, pass their tasks and their own constructor arguments to
-    ``__init__`` (so a saved state can rebuild an identical env elsewhere) and implement
-    ``_start`` and ``_step``. ``_step`` must be deterministic given the task and the actions
-    so far: that is what makes replay a faithful restore.
+    Subclasses set ``env_id``, pass their tasks to ``__init__`` and implement ``_start`` and
+    ``_step``. ``_step`` must be deterministic given the task and the actions so far: that is
+    what makes replay a faithful restore. Every argument a subclass's constructor receives is
+    recorded (see ``__init_subclass__``) so a saved state can rebuild an identical env
+    elsewhere; constructor arguments must therefore be JSON values.
     """
 
     env_id: ClassVar[str] = ""
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Record each env's constructor arguments, so no env can forget one in its states.
+
+        A forgotten argument would rebuild a differently configured env on restore, which
+        the observation check may not catch (a changed reward, say). The outermost
+        constructor's arguments are kept; ``render_mode`` is left out because it does not
+        change what the env does.
+        """
+        super().__init_subclass__(**kwargs)
+        if "__init__" not in cls.__dict__:
+            return
+        init = cls.__dict__["__init__"]
+        signature = inspect.signature(init)
+        if any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+            raise TypeError(f"{cls.__name__}.__init__ must not take *args: states record names")
+
+        @functools.wraps(init)
+        def recording_init(self: TextEnv, *args: Any, **kw: Any) -> None:
+            if "_env_kwargs" not in self.__dict__:
+                bound = signature.bind(self, *args, **kw)
+                bound.apply_defaults()
+                recorded: dict[str, Any] = {}
+                for name, value in list(bound.arguments.items())[1:]:
+                    if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                        recorded.update(value)
+                    elif name != "render_mode":
+                        recorded[name] = value
+                self._env_kwargs = recorded
+            init(self, *args, **kw)
+
+        cls.__init__ = recording_init  # type: ignore[method-assign]
 
     def __init__(
         self,
         tasks: Sequence[Task],
         *,
         max_turns: int,
-        env_kwargs: Mapping[str, Any],
         max_action_chars: int = MAX_ACTION_CHARS,
         render_mode: str | None = None,
     ) -> None:
@@ -166,7 +201,7 @@ class TextEnv(gymnasium.Env[str, str]):
         self.max_turns = max_turns
         self.max_action_chars = max_action_chars
         self.render_mode = render_mode
-        self._env_kwargs = dict(env_kwargs)
+        self.__dict__.setdefault("_env_kwargs", {})
         self.observation_space = UnicodeText(MAX_OBSERVATION_CHARS)
         self.action_space = UnicodeText(max_action_chars)
         self._task: Task | None = None
@@ -272,13 +307,7 @@ class TextEnv(gymnasium.Env[str, str]):
     def save_state(self) -> EnvState:
         """The recipe to rebuild this episode exactly, anywhere; see ``agent_gym.state``."""
         task = self.task
-        try:
-            kwargs = json.loads(json.dumps(self._env_kwargs))
-        except TypeError as err:
-            raise StateError(
-                f"{self.env_id} was built with constructor arguments that are not JSON "
-                f"serialisable, so its state cannot be saved: {err}"
-            ) from err
+        kwargs = _json_kwargs(self.env_id, self._env_kwargs)
         return EnvState(
             env_id=self.env_id,
             env_kwargs=kwargs,
@@ -297,7 +326,7 @@ class TextEnv(gymnasium.Env[str, str]):
             raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
         if state.env_id != self.env_id:
             raise StateError(f"state belongs to {state.env_id!r}, this env is {self.env_id!r}")
-        own_kwargs = json.loads(json.dumps(self._env_kwargs, default=repr))
+        own_kwargs = _json_kwargs(self.env_id, self._env_kwargs)
         if state.env_kwargs != own_kwargs:
             raise StateError(
                 f"state was saved from {self.env_id} built with {state.env_kwargs}, this one was "
@@ -376,3 +405,20 @@ class TextEnv(gymnasium.Env[str, str]):
             "privileged": opening.privileged,
             "turn": self.turn,
         }
+
+
+def _json_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Constructor arguments as they travel in a state: JSON values (paths as strings)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+    try:
+        return json.loads(json.dumps(kwargs, default=convert))
+    except TypeError as err:
+        raise StateError(
+            f"{env_id} was built with constructor arguments that are not JSON values, so "
+            f"its state cannot be saved: {err}"
+        ) from err

@@ -61,8 +61,7 @@ class SayDigitEnv(TextEnv):
 
     def __init__(self, max_turns: int = 2, render_mode: str | None = None) -> None:
         tasks = [Task(f"digit-{d}", {"digit": d}) for d in DIGITS]
-        super().__init__(tasks, max_turns=max_turns, env_kwargs={"max_turns": max_turns},
-                         render_mode=render_mode)
+        super().__init__(tasks, max_turns=max_turns, render_mode=render_mode)
 
     def _start(self, task: Task) -> Opening:
         digit = task.payload["digit"]

@@ -63,7 +63,7 @@ class EchoEnv(TextEnv):
     env_id = "tests/Echo-v0"
 
     def __init__(self, max_turns: int) -> None:
-        super().__init__([Task("only", {})], max_turns=max_turns, env_kwargs={})
+        super().__init__([Task("only", {})], max_turns=max_turns)
 
     def _start(self, task: Task) -> Opening:
         return Opening("say something", [{"role": "user", "content": "say something"}])
@@ -143,4 +143,4 @@ def test_unicode_text_space_accepts_any_text_and_samples_printable() -> None:
 
 def test_base_class_refuses_bad_construction() -> None:
     with pytest.raises(ValueError, match="no tasks"):
-        TextEnv([], max_turns=1, env_kwargs={})
+        TextEnv([], max_turns=1)

@@ -135,13 +135,6 @@ class ALFWorldEnv(TextEnv):
         super().__init__(
             [Task(ref.task_id, {"task_type": ref.task_type}) for ref in refs],
             max_turns=max_turns,
-            env_kwargs={
-                "data_path": None if data_path is None else str(data_path), "split": split,
-                "task_types": None if task_types is None else list(types),
-                "protocol": protocol, "show_admissible": show_admissible,
-                "max_turns": max_turns, "invalid_penalty": invalid_penalty,
-                "plan_timeout": plan_timeout,
-            },
             render_mode=render_mode,
         )
         self.protocol = protocol

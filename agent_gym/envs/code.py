@@ -124,24 +124,6 @@ class CodeInterpreterEnv(TextEnv):
         super().__init__(
             load_tasks(data_path, dataset, split),
             max_turns=max_turns,
-            env_kwargs={
-                "data_path": data_path,
-                "dataset": dataset,
-                "split": split,
-                "mode": mode,
-                "protocol": protocol,
-                "isolation": isolation,
-                "max_code_calls": max_code_calls,
-                "max_turns": max_turns,
-                "max_obs_chars": max_obs_chars,
-                "timeout": timeout,
-                "memory_mb": memory_mb,
-                "pool_size": pool_size,
-                "reward_correct": reward_correct,
-                "reward_incorrect": reward_incorrect,
-                "format_penalty": format_penalty,
-                "math_timeout": math_timeout,
-            },
             render_mode=render_mode,
         )
         self.mode = mode

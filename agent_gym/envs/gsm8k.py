@@ -51,11 +51,6 @@ class GSM8KEnv(TextEnv):
         super().__init__(
             load_tasks(data_path, split),
             max_turns=max_turns,
-            env_kwargs={
-                "data_path": data_path, "split": split, "max_turns": max_turns,
-                "reward_correct": reward_correct, "reward_incorrect": reward_incorrect,
-                "math_timeout": math_timeout,
-            },
             render_mode=render_mode,
         )
         self.reward_correct = reward_correct

@@ -126,14 +126,6 @@ class SearchEnv(TextEnv):
         super().__init__(
             load_tasks(data_path, dataset, split),
             max_turns=max_turns,
-            env_kwargs={
-                "data_path": data_path, "dataset": dataset, "split": split, "backend": backend,
-                "corpus": corpus, "index_dir": index_dir, "url": url, "cache": cache,
-                "protocol": protocol, "topk": topk, "max_searches": max_searches,
-                "max_turns": max_turns, "passage_chars": passage_chars,
-                "max_obs_chars": max_obs_chars, "format_penalty": format_penalty,
-                "timeout": timeout, "max_retries": max_retries,
-            },
             render_mode=render_mode,
         )
         self.protocol = protocol
