@@ -147,24 +147,20 @@ for line in sys.stdin:
     sys.stdout.flush()
 """
 
-_shared_verifier: MathVerifier | None = None
-_shared_lock = threading.Lock()
+_verifiers: dict[float, MathVerifier] = {}
+_verifiers_lock = threading.Lock()
 
 
 def math_equal(prediction: str, reference: str, timeout: float = DEFAULT_MATH_TIMEOUT) -> bool:
-    """Whether two math answers are equivalent (``1/2`` == ``0.5`` == ``\\frac{1}{2}``)."""
-    global _shared_verifier
-    with _shared_lock:
-        if _shared_verifier is None:
-            _shared_verifier = MathVerifier(timeout)
-            atexit.register(_shared_verifier.close)
-        verifier = _shared_verifier
-    if verifier.timeout != timeout:
-        verifier = MathVerifier(timeout)
-        try:
-            return verifier.equal(prediction, reference)
-        finally:
-            verifier.close()
+    """Whether two math answers are equivalent (``1/2`` == ``0.5`` == ``\\frac{1}{2}``).
+
+    Uses one shared ``MathVerifier`` per timeout, so its helper processes stay warm.
+    """
+    with _verifiers_lock:
+        verifier = _verifiers.get(timeout)
+        if verifier is None:
+            verifier = _verifiers[timeout] = MathVerifier(timeout)
+            atexit.register(verifier.close)
     return verifier.equal(prediction, reference)
 
 
