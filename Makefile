@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 run: setup
-	$(BIN)/agent-gym eval --suite default --out runs/eval-default
+	$(BIN)/agent-gym eval --suite default --max-tokens 160 --out runs/eval-default
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

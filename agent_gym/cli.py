@@ -22,7 +22,8 @@ from trainers import cli as trainers_cli
 
 @dataclass(frozen=True)
 class SuiteEntry:
-    """One env of a suite: scripted baselines are cheap and get more episodes than models."""
+    """One env of a suite: scripted baselines are cheap and get more episodes than models
+    (0 skips the env for model policies)."""
 
     env_id: str
     env_kwargs: dict[str, Any]
@@ -37,11 +38,12 @@ SCRIPTED_POLICIES = ("oracle", "random")
 # Suites run on bundled data only, so they work offline.
 SUITES: dict[str, list[SuiteEntry]] = {
     "default": [
-        SuiteEntry("agent_gym/GSM8K-v0", {}, episodes=20, model_episodes=4),
-        SuiteEntry("agent_gym/CodeInterpreter-v0", {}, episodes=20, model_episodes=2),
-        SuiteEntry("agent_gym/Search-v0", {}, episodes=20, model_episodes=2),
-        # Bundled synthetic games; the longest walkthrough is 11 commands.
-        SuiteEntry("agent_gym/ALFWorld-v0", {"max_turns": 12}, episodes=12, model_episodes=2),
+        SuiteEntry("agent_gym/GSM8K-v0", {}, episodes=20, model_episodes=2),
+        SuiteEntry("agent_gym/CodeInterpreter-v0", {"max_turns": 3}, episodes=20, model_episodes=1),
+        SuiteEntry("agent_gym/Search-v0", {"max_turns": 5}, episodes=20, model_episodes=1),
+        # Bundled synthetic games; the longest walkthrough is 11 commands. No model episodes:
+        # twelve long-prompt turns of a CPU model take minutes and a 135M model scores 0.
+        SuiteEntry("agent_gym/ALFWorld-v0", {"max_turns": 12}, episodes=12, model_episodes=0),
     ],
 }
 SUITE_POLICIES = ["oracle", "local"]
@@ -101,6 +103,8 @@ def _eval(args: argparse.Namespace) -> int:
         policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens)
         for entry in plan:
             episodes = args.episodes or entry.episodes_for(policy_spec)
+            if episodes == 0:
+                continue
             config = EvalConfig(entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs)
             out_dir = Path(args.out)
             if args.suite is not None:

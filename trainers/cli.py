@@ -11,7 +11,7 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train grpo`` to the ``agent-gym`` command line."""
+    """Add ``train grpo``, ``train tempo`` and ``train plot`` to the ``agent-gym`` command line."""
     train = subparsers.add_parser("train", help="train a policy on an agent_gym environment")
     trainers = train.add_subparsers(dest="trainer", required=True)
     # No option prefix this parser knows: every argument, --help included, is passed on.
@@ -21,9 +21,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     grpo.add_argument("argv", nargs="*")
     grpo.set_defaults(run=_run_grpo)
+    tempo = trainers.add_parser(
+        "tempo", help="TEMPO (see `agent-gym train tempo --help`)", add_help=False,
+        prefix_chars="\0",
+    )
+    tempo.add_argument("argv", nargs="*")
+    tempo.set_defaults(run=_run_tempo)
+    plot = trainers.add_parser(
+        "plot", help="plot a training run's metrics to RUN_DIR/metrics.png", add_help=False,
+        prefix_chars="\0",
+    )
+    plot.add_argument("argv", nargs="*")
+    plot.set_defaults(run=_run_plot)
 
 
 def _run_grpo(args: argparse.Namespace) -> int:
     from trainers.grpo import main
 
     return main(args.argv)
+
+
+def _run_tempo(args: argparse.Namespace) -> int:
+    from trainers.tempo import main
+
+    return main(args.argv)
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from trainers.tempo import main
+
+    return main(["plot", *args.argv])

@@ -29,6 +29,8 @@ import numpy as np
 from pytrio import Datum, ModelInput
 from pytrio.types import TensorData
 
+from agent_gym.state import EnvState
+
 IGNORE_TARGET = -100
 STOP_LENGTH = "length"
 
@@ -68,6 +70,12 @@ class Episode:
     ``end_reason`` is ``terminated`` or ``truncated`` (the env's verdict), ``max_turns``,
     ``max_tokens`` (the last reply was cut and never shown to the env) or
     ``trajectory_budget`` (no room left for another reply).
+
+    ``step_rewards`` holds the env's reward for each step (``reward`` adds the cut penalty,
+    if any), ``opening_messages`` how many of ``messages`` the episode opened with, and
+    ``privileged`` what the env revealed for critics only. Rollouts asked to keep states
+    also record the env's final ``env_state`` and, for a branch stopped at its turn budget,
+    ``next_prompt``: the exact prompt it would have continued from.
     """
 
     task_id: str
@@ -76,6 +84,11 @@ class Episode:
     end_reason: str = ""
     messages: list[dict[str, Any]] = field(default_factory=list)
     invalid_actions: int = 0
+    step_rewards: list[float] = field(default_factory=list)
+    opening_messages: int = 0
+    privileged: dict[str, Any] = field(default_factory=dict)
+    env_state: EnvState | None = None
+    next_prompt: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -37,6 +36,7 @@ from trainers.backends import BACKENDS, make_service
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.render import ChatRenderer
 from trainers.rollout import RolloutConfig, rollout_groups
+from trainers.runfiles import keep_metrics_before, write_json
 
 LOSSES = ("importance_sampling", "ppo")
 CHECKPOINT_FILE = "checkpoint.json"
@@ -120,7 +120,7 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
             args.model, rank=args.lora_rank, seed=args.seed
         )
     metrics_path = out / METRICS_FILE
-    _keep_metrics_before(metrics_path, start)
+    keep_metrics_before(metrics_path, start)
 
     renderer = ChatRenderer(training.get_tokenizer())
     make_env = functools.partial(gymnasium.make, args.env_id, **args.env_kwargs)
@@ -194,7 +194,7 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = training.save_state(f"step-{step + 1:06d}", overwrite=True).result().path
             latest = {"step": step + 1, "path": path, "args": dataclasses.asdict(args)}
-            _write_json(checkpoint, latest)
+            write_json(checkpoint, latest)
         row = _metrics(step, groups, degenerate, datums, loss)
         row |= {"time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
                 "time_step": time.perf_counter() - t0}
@@ -230,27 +230,6 @@ def _metrics(
         "loss_sum": loss.get("loss_sum"),
         "grad_norm": loss.get("grad_norm"),
     }
-
-
-def _keep_metrics_before(path: Path, step: int) -> None:
-    """Drop metric lines a killed run wrote after its last checkpoint."""
-    if not path.is_file():
-        return
-    kept = [
-        line for line in path.read_text(encoding="utf-8").splitlines()
-        if line.strip() and json.loads(line)["step"] < step
-    ]
-    _write_text(path, "".join(line + "\n" for line in kept))
-
-
-def _write_json(path: Path, value: Any) -> None:
-    _write_text(path, json.dumps(value, indent=1))
-
-
-def _write_text(path: Path, text: str) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)  # atomic: a kill never leaves half a file
 
 
 def main(argv: list[str] | None = None) -> int:

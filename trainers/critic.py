@@ -1,0 +1,219 @@
+"""TEMPO's generative critic: the policy's own weights, asked for a value in words.
+
+There is no value head. The same sampler that acts is prompted as a critic: it reads the
+task, what the env reveals to critics only (``info["privileged"]``: a walkthrough, the
+reference answer, the gold answers), and a condensed history of the episode so far, then
+reasons briefly and ends with ``<value>x</value>``: the reward still to come, between 0 and
+``R_max``. Because the critic is the policy, it is trained by the same policy-gradient
+update on its own sampled replies: a reply is rewarded ``-|V_k - G| / R_max`` against a
+target ``G`` (a Monte Carlo return in warm-up, the mean macro-step return in TD updates),
+centred over the K replies to one prompt.
+
+Parsing is strict: the last ``<value>...</value>`` of a reply that ended by itself must hold
+a plain decimal number in ``[0, R_max]``. Anything else (no tag, a cut reply, "0.5%", "1e-1",
+a value out of range) is a parse failure: it is counted, it earns the worst critic reward
+(-1) when trained, and it contributes nothing to a value estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pytrio import ModelInput, SamplingParams
+
+from trainers.episode import Turn
+from trainers.render import ChatRenderer
+from trainers.rollout import Sampler
+
+SYSTEM_PROMPT = (
+    "You are the critic of an agent that works on a task over several turns. You see the "
+    "task, privileged information the agent cannot see (such as a walkthrough or the "
+    "reference answer) and what the agent did so far. Estimate the reward the agent will "
+    "still collect from this point on, between 0 and {r_max}; for a task that is either "
+    "solved or not, that is the probability that the agent solves it. Think briefly, then "
+    "end your reply with the estimate in a value tag, for example <value>{example}</value>."
+)
+# Privileged keys that restate another key in the actor's own action format (scripted
+# policies replay them); they add length, not information.
+HIDDEN_PRIVILEGED = frozenset({"oracle_actions"})
+# Character budgets keep every critic prompt short whatever the episode's length: a critic
+# must read a 50-turn ALFWorld game in a few hundred tokens.
+TASK_CHARS = 1500
+PRIVILEGED_CHARS = 1500
+ACTION_CHARS = 300  # replies end with the action, so the tail is kept
+OBSERVATION_CHARS = 400  # observations start with what happened, so the head is kept
+HISTORY_TURNS = 8  # most recent turns shown; earlier ones are counted
+
+_VALUE_TAG = re.compile(r"<value>(.*?)</value>", re.DOTALL)
+_DECIMAL = re.compile(r"\d+(?:\.\d+)?|\.\d+")
+
+
+def parse_value(text: str, r_max: float) -> float | None:
+    """The number in the last ``<value>`` tag if it is a plain decimal in [0, r_max]."""
+    tags = _VALUE_TAG.findall(text)
+    if not tags:
+        return None
+    body = tags[-1].strip()
+    if not _DECIMAL.fullmatch(body):
+        return None
+    value = float(body)
+    return value if 0.0 <= value <= r_max else None
+
+
+def critic_rewards(values: Sequence[float | None], target: float, r_max: float) -> np.ndarray:
+    """Uncentred critic rewards: ``-|V_k - target| / r_max``, -1 for a parse failure."""
+    return np.array(
+        [-1.0 if v is None else -abs(v - target) / r_max for v in values], dtype=np.float64
+    )
+
+
+def critic_messages(
+    messages: Sequence[Mapping[str, Any]],
+    opening: int,
+    privileged: Mapping[str, Any],
+    r_max: float,
+) -> list[dict[str, str]]:
+    """The critic's chat for the point an episode reached.
+
+    ``messages[:opening]`` is the episode's opening (system prompt and task), the rest its
+    history: an assistant reply and the env's answer per turn.
+    """
+    task = "\n\n".join(
+        str(m.get("content", "")) for m in messages[:opening] if m.get("role") != "system"
+    )
+    history = list(messages[opening:])
+    turns = [history[i : i + 2] for i in range(0, len(history), 2)]
+    shown = turns[-HISTORY_TURNS:]
+    lines = []
+    if len(turns) > len(shown):
+        lines.append(f"({len(turns) - len(shown)} earlier turns not shown)")
+    for number, turn in enumerate(shown, start=len(turns) - len(shown) + 1):
+        action = _clip(_flat(turn[0].get("content")), ACTION_CHARS, keep_tail=True)
+        lines.append(f"Turn {number}. Agent: {action}")
+        if len(turn) > 1:
+            answer = _clip(_flat(turn[1].get("content")), OBSERVATION_CHARS, keep_tail=False)
+            lines.append(f"Result: {answer}")
+    secrets = {k: v for k, v in privileged.items() if k not in HIDDEN_PRIVILEGED}
+    user = (
+        f"## Task\n{_clip(task, TASK_CHARS, keep_tail=False)}\n\n"
+        f"## Privileged information\n{_clip(_format(secrets), PRIVILEGED_CHARS, keep_tail=False)}"
+        f"\n\n## History ({len(turns)} turns so far)\n"
+        + ("\n".join(lines) if lines else "(nothing yet)")
+        + f"\n\nHow much reward (0 to {_number(r_max)}) will the agent still collect?"
+    )
+    system = SYSTEM_PROMPT.format(r_max=_number(r_max), example=_number(0.5 * r_max))
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+@dataclass
+class CriticSample:
+    """One critic reply: the sampling record (trainable as a one-turn datum) and its value
+    (None: parse failure)."""
+
+    turn: Turn
+    value: float | None
+
+
+class Critic:
+    """Prompts, samples and parses the critic on a sampler of the current weights."""
+
+    def __init__(
+        self, renderer: ChatRenderer, *, r_max: float, max_tokens: int, temperature: float
+    ) -> None:
+        if not (math.isfinite(r_max) and r_max > 0):
+            raise ValueError(f"r_max must be a positive number, got {r_max}")
+        self.renderer = renderer
+        self.r_max = r_max
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+
+    def prompt(
+        self, messages: Sequence[Mapping[str, Any]], opening: int, privileged: Mapping[str, Any]
+    ) -> list[int]:
+        return self.renderer.prompt(critic_messages(messages, opening, privileged, self.r_max))
+
+    async def sample(
+        self, sampler: Sampler, prompt: list[int], n: int, seed: int
+    ) -> list[CriticSample]:
+        """``n`` critic replies to one prompt (one shared prefill)."""
+        key = hashlib.blake2b(f"critic/{seed}".encode(), digest_size=4).digest()
+        response = await sampler.sample_async(
+            ModelInput.from_ints(prompt),
+            num_samples=n,
+            sampling_params=SamplingParams(
+                max_tokens=self.max_tokens,
+                seed=int.from_bytes(key, "little") & 0x7FFFFFFF,
+                stop=list(self.renderer.stop_tokens),
+                temperature=self.temperature,
+            ),
+        )
+        samples = []
+        for sequence in response.sequences:
+            tokens = list(sequence.tokens)
+            value = None
+            if self.renderer.is_finished(tokens):  # a cut reply is a failure, whatever it says
+                value = parse_value(self.renderer.completion_text(tokens), self.r_max)
+            turn = Turn(list(prompt), tokens, list(sequence.logprobs), sequence.stop_reason)
+            samples.append(CriticSample(turn, value))
+        return samples
+
+    async def value(
+        self, sampler: Sampler, prompt: list[int], n: int, seed: int
+    ) -> tuple[float, list[CriticSample]]:
+        """An endpoint's value: the mean of the parsed values of ``n`` replies, 0 when none
+        parses (no estimate is no evidence of future reward); and the replies."""
+        samples = await self.sample(sampler, prompt, n, seed)
+        parsed = [s.value for s in samples if s.value is not None]
+        return (float(np.mean(parsed)) if parsed else 0.0), samples
+
+
+async def gather_values(
+    critic: Critic, sampler: Sampler, prompts: Sequence[list[int] | None], n: int,
+    seeds: Sequence[int],
+) -> list[tuple[float, list[CriticSample]]]:
+    """Values of many endpoints at once; a ``None`` prompt is a terminal endpoint (0)."""
+
+    async def one(prompt: list[int] | None, seed: int) -> tuple[float, list[CriticSample]]:
+        if prompt is None:
+            return 0.0, []
+        return await critic.value(sampler, prompt, n, seed)
+
+    return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds, strict=True))))
+
+
+def _flat(content: Any) -> str:
+    """One line: a turn of the history reads as one entry."""
+    return " ".join(str(content or "").split())
+
+
+def _clip(text: str, limit: int, *, keep_tail: bool) -> str:
+    if len(text) <= limit:
+        return text
+    return "..." + text[-limit:] if keep_tail else text[:limit] + "..."
+
+
+def _format(privileged: Mapping[str, Any]) -> str:
+    if not privileged:
+        return "(none)"
+    lines = []
+    for key, value in privileged.items():
+        if isinstance(value, list | tuple):
+            shown = "; ".join(str(v) for v in value)
+        elif isinstance(value, str):
+            shown = value
+        else:
+            shown = json.dumps(value, ensure_ascii=False)
+        lines.append(f"- {key}: {shown}")
+    return "\n".join(lines)
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
