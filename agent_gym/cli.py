@@ -77,11 +77,9 @@ def _env_factory(config: EvalConfig, ray_address: str | None) -> Any:
     """Envs in this process, or (``--ray``) each in a Ray actor on the cluster."""
     if ray_address is None:
         return None
-    from agent_gym.distributed import RemoteEnv, ensure_ray
+    from agent_gym.distributed import remote_env_factory
 
-    address = None if ray_address == "local" else ray_address
-    ensure_ray(address)
-    return lambda: RemoteEnv(config.env_id, config.env_kwargs, address)
+    return remote_env_factory(config.env_id, config.env_kwargs, ray_address)
 
 
 def _eval(args: argparse.Namespace) -> int:

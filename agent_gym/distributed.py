@@ -12,7 +12,8 @@ so a training loop sees the loss instead of silently dropping or inventing data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from typing import Any, ClassVar
 
@@ -63,17 +64,17 @@ class EnvActor:
         self.env.close()
 
 
-class RemoteEnv:
-    """A single env in a Ray actor with the blocking surface eval uses (``reset``,
-    ``step``, ``unwrapped.save_state``, ``close``)."""
+class RemoteEnv(gymnasium.Env):
+    """A single env in a Ray actor, usable wherever a local env is (eval, rollouts).
+
+    Its calls block until the actor answers; callers run them in threads, as they do for
+    local envs. ``save_state`` is on the env itself, so ``env.unwrapped.save_state()`` works.
+    """
 
     def __init__(self, env_id: str, env_kwargs: dict[str, Any], address: str | None = None):
         ensure_ray(address)
         self.actor = EnvActor.remote(env_id, env_kwargs)
-
-    @property
-    def unwrapped(self) -> RemoteEnv:
-        return self
+        self.observation_space, self.action_space = ray.get(self.actor.spaces.remote())
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -88,6 +89,15 @@ class RemoteEnv:
 
     def close(self) -> None:
         ray.kill(self.actor)
+
+
+def remote_env_factory(
+    env_id: str, env_kwargs: dict[str, Any], address: str
+) -> Callable[[], RemoteEnv]:
+    """A factory of envs in Ray actors; ``address`` ``"local"`` starts a local Ray."""
+    ray_address = None if address == "local" else address
+    ensure_ray(ray_address)
+    return functools.partial(RemoteEnv, env_id, dict(env_kwargs), ray_address)
 
 
 class RayVectorEnv(VectorEnv):

@@ -94,3 +94,26 @@ def test_eval_through_ray_equals_the_single_process_run(tmp_path: Path) -> None:
                       for r in records)
 
     assert results(tmp_path / "local") == results(tmp_path / "ray")
+
+
+def test_grpo_rollouts_step_their_envs_in_ray_actors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainers.grpo import Args, train
+
+    remote_resets: list[dict] = []
+    real_reset = RemoteEnv.reset
+
+    def counting_reset(self: RemoteEnv, **kwargs: object) -> tuple:
+        remote_resets.append(kwargs)
+        return real_reset(self, **kwargs)
+
+    monkeypatch.setattr(RemoteEnv, "reset", counting_reset)
+    args = Args(
+        env_id=GSM8K, env_kwargs={"max_turns": 2}, model="tiny", lora_rank=4, steps=1,
+        batch_size=2, group_size=2, max_tokens=4, max_trajectory_tokens=512,
+        out=str(tmp_path / "grpo"), progress=False, ray="local",
+    )
+    history = train(args)
+    assert len(history) == 1 and history[0]["step"] == 0
+    assert len(remote_resets) == 4  # every branch (2 tasks x 2) played in a Ray actor

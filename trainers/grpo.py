@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import json
 import sys
 import time
@@ -26,16 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gymnasium
 import numpy as np
 from pytrio import AdamParams
 from tqdm import tqdm
 
-import agent_gym  # registers the environments
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.render import ChatRenderer
-from trainers.rollout import RolloutConfig, rollout_groups
+from trainers.rollout import RolloutConfig, describe_env, env_factory, rollout_groups
 from trainers.runfiles import keep_metrics_before, write_json
 
 LOSSES = ("importance_sampling", "ppo")
@@ -51,6 +48,7 @@ class Args:
     model: str = "smollm2"  # local: smollm2 | tiny | a HF directory; pytrio: a model id
     lora_rank: int = 32  # 0 = full fine-tuning (local backend only)
     api_key: str | None = None  # pytrio only
+    ray: str | None = None  # "local" or a cluster address: step envs in Ray actors
     steps: int = 20
     batch_size: int = 8  # tasks (groups) per step
     group_size: int = 8  # branches per task
@@ -123,12 +121,8 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
     keep_metrics_before(metrics_path, start)
 
     renderer = ChatRenderer(training.get_tokenizer())
-    make_env = functools.partial(gymnasium.make, args.env_id, **args.env_kwargs)
-    probe = make_env()
-    if not isinstance(probe.unwrapped, agent_gym.TextEnv):
-        raise ValueError(f"{args.env_id} is not an agent_gym TextEnv")
-    num_tasks = len(probe.unwrapped.tasks)
-    probe.close()
+    num_tasks, _ = describe_env(args.env_id, args.env_kwargs)
+    make_env = env_factory(args.env_id, args.env_kwargs, args.ray)
     config = RolloutConfig(
         group_size=args.group_size,
         max_turns=args.max_turns,

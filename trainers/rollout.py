@@ -23,6 +23,7 @@ horizon, the prompt to continue from.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -33,6 +34,7 @@ import gymnasium
 from pytrio import ModelInput, SamplingParams
 from pytrio.types import SampleResponse, SampleSequence
 
+from agent_gym.core import TextEnv
 from agent_gym.state import EnvState
 from trainers.episode import Episode, Turn
 from trainers.render import ChatRenderer, Conversation
@@ -49,6 +51,30 @@ class Sampler(Protocol):
         num_samples: int = 1,
         sampling_params: SamplingParams = ...,
     ) -> SampleResponse: ...
+
+
+def env_factory(env_id: str, env_kwargs: Mapping[str, Any], ray: str | None) -> EnvFactory:
+    """Envs in this process, or each in a Ray actor (``ray``: ``"local"`` or an address).
+
+    With Ray the env work (engines, sandboxes) spreads over the cluster while sampling
+    stays asynchronous in this process.
+    """
+    if ray is None:
+        return functools.partial(gymnasium.make, env_id, **env_kwargs)
+    from agent_gym.distributed import remote_env_factory
+
+    return remote_env_factory(env_id, dict(env_kwargs), ray)
+
+
+def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """``(number of tasks, max turns)`` of an agent_gym env, read from a local instance."""
+    env = gymnasium.make(env_id, **env_kwargs)
+    try:
+        if not isinstance(env.unwrapped, TextEnv):
+            raise ValueError(f"{env_id} is not an agent_gym TextEnv")
+        return len(env.unwrapped.tasks), env.unwrapped.max_turns
+    finally:
+        env.close()
 
 
 class EnvPool:

@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -54,18 +52,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gymnasium
 import numpy as np
 from pytrio import AdamParams, ModelInput
 from tqdm import tqdm
 
-import agent_gym  # registers the environments
 from trainers.backends import BACKENDS, make_service
 from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.grpo import LOSSES
 from trainers.render import ChatRenderer
-from trainers.rollout import EnvPool, RolloutConfig, Sampler, rollout_groups
+from trainers.rollout import (
+    EnvPool,
+    RolloutConfig,
+    Sampler,
+    describe_env,
+    env_factory,
+    rollout_groups,
+)
 from trainers.runfiles import keep_metrics_before, write_json, write_text
 from trainers.store import MacroState, StateStore, cut, fresh_quota
 
@@ -87,6 +90,7 @@ class Args:
     model: str = "smollm2"  # local: smollm2 | tiny | a HF directory; pytrio: a model id
     lora_rank: int = 32  # 0 = full fine-tuning (local backend only)
     api_key: str | None = None  # pytrio only
+    ray: str | None = None  # "local" or a cluster address: step envs in Ray actors
     warmup_updates: int = 4  # critic-only updates on Monte Carlo returns
     td_updates: int = 40
     batch_size: int = 4  # groups per update: tasks (warm-up), states or fresh tasks (TD)
@@ -257,11 +261,8 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
     keep_metrics_before(metrics_path, start)
 
     renderer = ChatRenderer(training.get_tokenizer())
-    pool = EnvPool(functools.partial(gymnasium.make, args.env_id, **args.env_kwargs))
-    with contextlib.closing(pool()) as probe:
-        if not isinstance(probe.unwrapped, agent_gym.TextEnv):
-            raise ValueError(f"{args.env_id} is not an agent_gym TextEnv")
-        num_tasks, episode_turns = len(probe.unwrapped.tasks), probe.unwrapped.max_turns
+    num_tasks, episode_turns = describe_env(args.env_id, args.env_kwargs)
+    pool = EnvPool(env_factory(args.env_id, args.env_kwargs, args.ray))
     budgets = {"group_size": args.branches, "max_tokens": args.max_tokens,
                "max_trajectory_tokens": args.max_trajectory_tokens,
                "temperature": args.temperature, "keep_states": True}
