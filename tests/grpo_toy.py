@@ -32,10 +32,11 @@ CHATML = (
 )
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *CHARS])}
+def word_level_tokenizer(words: list[str], split: str) -> PreTrainedTokenizerFast:
+    """A ChatML tokenizer whose vocabulary is exactly the special tokens plus ``words``."""
+    vocab = {token: i for i, token in enumerate([*SPECIALS, *words])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -46,6 +47,10 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHATML
     return tokenizer
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    return word_level_tokenizer(CHARS, ".")
 
 
 def save_tiny_model(folder: Path, seed: int = 0) -> str:

@@ -21,14 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tests.grpo_toy import CHATML
+from tests.grpo_toy import word_level_tokenizer
 from trainers.models import tiny_model
 from trainers.render import ChatRenderer
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["<value>", "</value>", *"0123456789", ".", " ", "\n", "system", "user", "assistant",
          "tool", "no"]
 FILLER = ("go to desk 1", "apple", "open fridge 2", "value", "Task:", "turn 3", "the", "is",
@@ -36,21 +34,7 @@ FILLER = ("go to desk 1", "apple", "open fridge 2", "value", "Task:", "turn 3", 
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(
-        Regex(r"</?value>|[A-Za-z]+|\s|."), behavior="isolated"
-    )
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<|endoftext|>",
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    tokenizer.chat_template = CHATML
-    return tokenizer
+    return word_level_tokenizer(WORDS, r"</?value>|[A-Za-z]+|\s|.")
 
 
 def _chat(rng: random.Random) -> list[dict[str, str]]:

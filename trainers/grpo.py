@@ -14,7 +14,6 @@ killed run from it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
@@ -31,6 +30,7 @@ from tqdm import tqdm
 
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import Episode, active_tokens, build_datum
+from trainers.options import options_parser
 from trainers.render import ChatRenderer
 from trainers.rollout import RolloutConfig, describe_env, env_factory, rollout_groups
 from trainers.runfiles import keep_metrics_before, write_json
@@ -70,17 +70,7 @@ class Args:
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    parser = argparse.ArgumentParser(prog="grpo", description=__doc__.split("\n\n")[0])
-    for spec in dataclasses.fields(Args):
-        flag = "--" + spec.name.replace("_", "-")
-        default = spec.default if spec.default is not dataclasses.MISSING else {}
-        if spec.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif spec.name == "env_kwargs":
-            parser.add_argument(flag, type=json.loads, default=default, help="JSON object")
-        else:
-            kind = {"int": int, "float": float}.get(str(spec.type), str)
-            parser.add_argument(flag, type=kind, default=default)
+    parser = options_parser(Args, "grpo", __doc__.split("\n\n")[0])
     args = Args(**vars(parser.parse_args(argv)))
     if args.backend not in BACKENDS:
         parser.error(f"--backend must be one of {BACKENDS}")

@@ -60,6 +60,7 @@ from trainers.backends import BACKENDS, make_service
 from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.grpo import LOSSES
+from trainers.options import options_parser
 from trainers.render import ChatRenderer
 from trainers.rollout import (
     EnvPool,
@@ -121,17 +122,7 @@ class Args:
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    parser = argparse.ArgumentParser(prog="tempo", description=__doc__.split("\n\n")[0])
-    for spec in dataclasses.fields(Args):
-        flag = "--" + spec.name.replace("_", "-")
-        default = spec.default if spec.default is not dataclasses.MISSING else {}
-        if spec.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif spec.name == "env_kwargs":
-            parser.add_argument(flag, type=json.loads, default=default, help="JSON object")
-        else:
-            kind = {"int": int, "float": float}.get(str(spec.type), str)
-            parser.add_argument(flag, type=kind, default=default)
+    parser = options_parser(Args, "tempo", __doc__.split("\n\n")[0])
     args = Args(**vars(parser.parse_args(argv)))
     problems = [
         (args.backend not in BACKENDS, f"--backend must be one of {BACKENDS}"),
