@@ -33,7 +33,7 @@ from trainers.episode import Episode, active_tokens, build_datum
 from trainers.options import options_parser
 from trainers.render import ChatRenderer
 from trainers.rollout import RolloutConfig, describe_env, env_factory, rollout_groups
-from trainers.runfiles import keep_metrics_before, write_json
+from trainers.runfiles import append_metrics, keep_metrics_before, write_json
 
 LOSSES = ("importance_sampling", "ppo")
 CHECKPOINT_FILE = "checkpoint.json"
@@ -174,16 +174,15 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
             loss |= training.optim_step(adam).result().metrics
         t3 = time.perf_counter()
 
-        # ---- checkpoint, then metrics
+        # ---- metrics, then checkpoint (so a step counted done always has its line)
+        row = _metrics(step, groups, degenerate, datums, loss)
+        row |= {"time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
+                "time_step": time.perf_counter() - t0}
+        append_metrics(metrics_path, row)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             path = training.save_state(f"step-{step + 1:06d}", overwrite=True).result().path
             latest = {"step": step + 1, "path": path, "args": dataclasses.asdict(args)}
             write_json(checkpoint, latest)
-        row = _metrics(step, groups, degenerate, datums, loss)
-        row |= {"time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
-                "time_step": time.perf_counter() - t0}
-        with metrics_path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
         history.append(row)
         bar.set_postfix(reward=round(row["reward_mean"], 3), degenerate=row["degenerate_groups"])
     return history

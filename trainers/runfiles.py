@@ -27,3 +27,12 @@ def write_text(path: Path, text: str) -> None:
     staging = path.with_name(path.name + ".tmp")
     staging.write_text(text, encoding="utf-8")
     os.replace(staging, path)  # atomic: a kill never leaves half a file
+
+
+def append_metrics(path: Path, row: dict[str, Any]) -> None:
+    """One line per step, on disk before the checkpoint that counts the step as done: a run
+    killed between the two redoes the step instead of losing its line."""
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())

@@ -70,7 +70,7 @@ from trainers.rollout import (
     env_factory,
     rollout_groups,
 )
-from trainers.runfiles import keep_metrics_before, write_json, write_text
+from trainers.runfiles import append_metrics, keep_metrics_before, write_json, write_text
 from trainers.store import MacroState, StateStore, cut, fresh_quota
 
 CHECKPOINT_FILE = "checkpoint.json"
@@ -295,9 +295,8 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
             t2 = time.perf_counter()
             evicted = store.add(batch.states)
 
-            # ---- checkpoint (weights, optimizer and store), then metrics
-            if (step + 1) % args.save_every == 0 or step + 1 == total:
-                _checkpoint(out, training, store, step + 1, args)
+            # ---- metrics, then checkpoint (weights, optimizer and store): a step counted
+            # done by a checkpoint always has its line
             row = {"step": step, "phase": "warmup" if step < args.warmup_updates else "td"}
             row |= batch.metrics
             row |= {
@@ -307,8 +306,9 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
                 "time_rollout": t1 - t0, "time_train": t2 - t1,
                 "time_step": time.perf_counter() - t0,
             }
-            with metrics_path.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps(row) + "\n")
+            append_metrics(metrics_path, row)
+            if (step + 1) % args.save_every == 0 or step + 1 == total:
+                _checkpoint(out, training, store, step + 1, args)
             history.append(row)
             bar.set_postfix(error=row.get("critic/abs_error_mean"), store=len(store))
     finally:
