@@ -1,7 +1,10 @@
 """Oracle episodes per second: one process vs Gymnasium's AsyncVectorEnv vs Ray actors.
 
-All three play the same episodes (seeds 0..N-1) with the oracle policy in the same run;
-the vector variants use 2 workers. Figures are ratios to the single-process run.
+All variants play N episodes with the oracle policy in the same run, with 2 workers where
+there are workers; figures are ratios to the single-process loop. Two shapes are measured:
+lockstep vector envs (every ``step`` waits for the slowest sub-env, so one env's slow
+reset stalls the other) and ``agent-gym eval``'s free-running episode workers, in this
+process (env calls in threads) or in Ray actors (``--ray``).
 
     .venv/bin/python benchmarks/bench_distributed.py [--env agent_gym/ALFWorld-v0] [--episodes 12]
 """
@@ -9,7 +12,9 @@ the vector variants use 2 workers. Figures are ratios to the single-process run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,9 @@ import gymnasium
 import ray
 
 import agent_gym  # noqa: F401
-from agent_gym.distributed import RayVectorEnv
+from agent_gym.distributed import RayVectorEnv, remote_env_factory
+from agent_gym.eval import EvalConfig, evaluate
+from agent_gym.policies import OraclePolicy
 
 
 def single_process(env_id: str, episodes: int) -> float:
@@ -57,6 +64,16 @@ def vectorised(vec: Any, episodes: int) -> float:
     return finished / elapsed
 
 
+def eval_workers(env_id: str, episodes: int, make_env: Any = None) -> float:
+    """``agent-gym eval`` with 2 free-running workers (no lockstep)."""
+    config = EvalConfig(env_id, "oracle", episodes)
+    with tempfile.TemporaryDirectory() as out:
+        started = time.perf_counter()
+        asyncio.run(evaluate(config, OraclePolicy(), Path(out), concurrency=2, progress=False,
+                             make_env=make_env))
+        return episodes / (time.perf_counter() - started)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_env = "agent_gym/ALFWorld-v0"
@@ -68,16 +85,27 @@ def main() -> None:
     asynchronous = vectorised(
         gymnasium.make_vec(args.env, num_envs=2, vectorization_mode="async"), args.episodes
     )
+    threads = eval_workers(args.env, args.episodes)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     distributed = vectorised(RayVectorEnv(args.env, num_envs=2), args.episodes)
+    ray_eval = eval_workers(args.env, args.episodes, remote_env_factory(args.env, {}, "local"))
     ray.shutdown()
     report = {
         "env": args.env,
         "episodes": args.episodes,
-        "episodes_per_s": {"single_process": round(base, 3), "async_vector_2": round(
-            asynchronous, 3), "ray_2_actors": round(distributed, 3)},
-        "ratio_vs_single_process": {"async_vector_2": round(asynchronous / base, 2),
-                                    "ray_2_actors": round(distributed / base, 2)},
+        "episodes_per_s": {
+            "single_process": round(base, 3),
+            "async_vector_2": round(asynchronous, 3),
+            "ray_vector_2_actors": round(distributed, 3),
+            "eval_2_workers_threads": round(threads, 3),
+            "eval_2_workers_ray": round(ray_eval, 3),
+        },
+        "ratio_vs_single_process": {
+            "async_vector_2": round(asynchronous / base, 2),
+            "ray_vector_2_actors": round(distributed / base, 2),
+            "eval_2_workers_threads": round(threads / base, 2),
+            "eval_2_workers_ray": round(ray_eval / base, 2),
+        },
     }
     name = args.env.removeprefix("agent_gym/").lower()
     (Path(__file__).parent / "results" / f"distributed-{name}.json").write_text(
