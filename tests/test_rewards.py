@@ -1,3 +1,4 @@
+import os
 import threading
 import time
 
@@ -92,3 +93,26 @@ def test_qa_normalisation_exact_match_and_f1() -> None:
     assert f1_score("eiffel", ["Eiffel Tower"]) == pytest.approx(2 / 3)
     assert f1_score("paris", ["Eiffel Tower"]) == 0.0
     assert f1_score("", [""]) == 1.0
+
+
+def test_a_forked_child_uses_its_own_helpers_and_leaves_the_parents_alone() -> None:
+    # Async vector workers are forked after the parent graded: Popen sees the inherited
+    # helpers as not its children (ECHILD), so the child neither reuses nor kills them.
+    verifier = MathVerifier(timeout=5.0)
+    assert verifier.equal("1/2", "0.5")
+    parent_helper = verifier._idle[0]
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child closes (as its atexit would), grades and reports
+        try:
+            verifier.close()
+            ok = verifier.equal("3", "3") and verifier._idle[0] is not parent_helper
+            verifier.close()
+            os.write(write_end, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read_end, 1) == b"1"
+    assert parent_helper.poll() is None  # the child did not kill the parent's helper
+    assert verifier.equal("2", "2.0") and verifier._idle[0] is parent_helper
+    verifier.close()
