@@ -336,6 +336,13 @@ class TextEnv(gymnasium.Env[str, str]):
             raise StateError(f"task {state.task_id!r} of the saved state is not in this env's data")
         super().reset(seed=state.seed)
         self._seed = state.seed
+        try:
+            return self._replay(state)
+        except BaseException:
+            self._task = None  # a half-replayed episode must not be stepped on: reset first
+            raise
+
+    def _replay(self, state: EnvState) -> tuple[str, dict[str, Any]]:
         opening = self._begin(self.tasks[self._task_index[state.task_id]])
         self._check(0, state.digests[0], opening.observation)
         observation = opening.observation
@@ -405,6 +412,17 @@ class TextEnv(gymnasium.Env[str, str]):
             "privileged": opening.privileged,
             "turn": self.turn,
         }
+
+
+def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> tuple[int, int]:
+    """``(number of tasks, max turns)`` of an agent_gym env, read from a local instance."""
+    env = gymnasium.make(env_id, **env_kwargs)
+    try:
+        if not isinstance(env.unwrapped, TextEnv):
+            raise ValueError(f"{env_id} is not an agent_gym TextEnv")
+        return len(env.unwrapped.tasks), env.unwrapped.max_turns
+    finally:
+        env.close()
 
 
 def _json_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from agent_gym.state import EnvState
 
 try:
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, RayTaskError
 except ImportError as err:  # Ray is an optional extra
     raise ImportError(
         "agent_gym.distributed needs Ray: pip install 'agent-gym[ray]'"
@@ -172,11 +172,15 @@ class RayVectorEnv(VectorEnv):
         for i, future in enumerate(futures):
             try:
                 result = ray.get(future)
-            except RayActorError as err:
+            except (RayActorError, RayTaskError) as err:
+                # A dead actor, or an env that raised (its state is now unknown): either way
+                # a fresh actor takes over and this episode ends as truncated, not lost.
+                ray.kill(self.actors[i])
                 self.actors[i] = self._spawn()
                 observations.append("")
                 truncated[i] = True
-                info = {"actor_died": True, "error": f"env actor died: {err}"}
+                died = isinstance(err, RayActorError)
+                info = {"actor_died": died, "error": f"env actor failed: {err}"}
             else:
                 if self._done[i]:
                     observation, info = result

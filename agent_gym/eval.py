@@ -4,8 +4,10 @@ The run directory is the unit of work. ``config.json`` pins what is measured (en
 arguments, policy, seed); ``episodes.jsonl`` gets one line per finished episode, flushed
 and fsynced before the next is written, so a run killed at any moment (even SIGKILL)
 resumes where it stopped: finished episodes are kept, a half-written last line is cut
-off, and only the missing episode indices run again. Episode ``i`` always plays the task
-chosen by seed ``seed + i``, so a resumed run measures exactly what an unbroken one would.
+off, and only the missing episode indices run again. Episode ``i`` plays task
+``order[i % n]`` of a permutation of the env's n tasks seeded by ``seed`` (every task once
+before any repeats), reset with seed ``seed + i``: a resumed run measures exactly what an
+unbroken one would.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
+import numpy as np
 from tqdm import tqdm
 
-import agent_gym  # noqa: F401  (registers the envs)
+from agent_gym.core import describe_env
 from agent_gym.policies import Policy, PolicyInput
 
 EPISODES_FILE = "episodes.jsonl"
@@ -193,11 +196,11 @@ def _append_durably(path: Path, record: dict[str, Any]) -> None:
 
 
 async def play_episode(
-    env: gymnasium.Env, policy: Policy, episode: int, seed: int
+    env: gymnasium.Env, policy: Policy, episode: int, seed: int, task_index: int
 ) -> dict[str, Any]:
     """One episode; env calls run in threads so sandboxes and HTTP never block the loop."""
     started = time.perf_counter()
-    _, info = await asyncio.to_thread(env.reset, seed=seed)
+    _, info = await asyncio.to_thread(env.reset, seed=seed, options={"index": task_index})
     messages = list(info["messages"])
     tools, privileged = info["tools"], info["privileged"]
     synthetic = bool(info.get("synthetic", False))
@@ -258,6 +261,8 @@ async def evaluate(
             return gymnasium.make(config.env_id, **config.env_kwargs)
 
     log = RunLog(out_dir, config)
+    num_tasks, _ = await asyncio.to_thread(describe_env, config.env_id, config.env_kwargs)
+    order = np.random.default_rng(config.seed).permutation(num_tasks)
     todo: asyncio.Queue[int] = asyncio.Queue()
     for episode in range(config.episodes):
         if episode not in log.records:
@@ -273,7 +278,10 @@ async def evaluate(
             while not todo.empty():
                 episode = todo.get_nowait()
                 try:
-                    record = await play_episode(env, policy, episode, config.seed + episode)
+                    record = await play_episode(
+                        env, policy, episode, config.seed + episode,
+                        int(order[episode % num_tasks]),
+                    )
                 except Exception as err:  # one broken episode must not sink the run
                     log.write_error(episode, err)
                     # The env may be mid-episode in an unknown state: start a fresh one.

@@ -265,8 +265,11 @@ class SamplerPolicy:
     """A pytrio-style sampling client: the remote service's or the local torch backend's.
 
     Both expose ``sample_async(ModelInput, num_samples, SamplingParams)`` and
-    ``get_tokenizer()``; prompts are rendered with the tokenizer's own chat template, the
-    same way the trainers render them, so an eval sees exactly what training sampled from.
+    ``get_tokenizer()``. Prompts come from the trainers' renderer, rendered whole each turn
+    from the transcript (a policy sees messages, not token histories); for templates that
+    render history stably (checked by the renderer) that equals the token-continuous
+    prompt training uses. A reply cut by ``max_tokens`` is passed on as written, as an
+    OpenAI-compatible server would.
     """
 
     def __init__(

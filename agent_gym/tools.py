@@ -175,6 +175,8 @@ def _parse_json_call(body: str, by_name: Mapping[str, ToolSpec]) -> ToolCall:
         payload = json.loads(body)
     except json.JSONDecodeError as err:
         raise ToolCallError(f"the tool call is not valid JSON ({err})") from err
+    except RecursionError as err:  # a model stuck repeating "[" nests past Python's stack
+        raise ToolCallError("the tool call's JSON is nested too deeply") from err
     if not isinstance(payload, dict):
         raise ToolCallError('the tool call must be a JSON object {"name": ..., "arguments": {...}}')
     extra = set(payload) - {"name", "arguments"}
@@ -222,7 +224,7 @@ def _xml_value(tool: str, key: str, raw: str, schema: Mapping[str, Any]) -> Any:
         return value
     try:
         return json.loads(value)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, RecursionError) as err:
         raise ToolCallError(
             f"parameter {key!r} of {tool} must be JSON of type {schema.get('type')}: {err}"
         ) from err

@@ -144,3 +144,27 @@ def test_unicode_text_space_accepts_any_text_and_samples_printable() -> None:
 def test_base_class_refuses_bad_construction() -> None:
     with pytest.raises(ValueError, match="no tasks"):
         TextEnv([], max_turns=1)
+
+
+NESTED = "[" * 50_000
+TOOL_ACTIONS = {
+    "agent_gym/Search-v0": [
+        '<tool_call>{"name": "search", "arguments": {"query": ' + NESTED + "}}</tool_call>",
+        "<function=search><parameter=query>" + NESTED + "</parameter></function>",
+        '<tool_call>{"name": "search", "arguments": {"query": 3}}</tool_call>',
+    ],
+    "agent_gym/ALFWorld-v0": [
+        '<tool_call>{"name": "alfworld_step", "arguments": ' + NESTED + "}</tool_call>",
+        '<tool_call>{"name": "alfworld_step"}</tool_call><tool_call>{}</tool_call>',
+    ],
+}
+
+
+@pytest.mark.parametrize("env_id", sorted(TOOL_ACTIONS))
+def test_malformed_tool_calls_never_raise_in_tool_envs(env_id: str) -> None:
+    env = gymnasium.make(env_id)
+    env.reset(seed=0)
+    for action in TOOL_ACTIONS[env_id]:
+        observation, *_, info = env.step(action)
+        assert info["invalid"] is True and observation
+    env.close()

@@ -184,3 +184,12 @@ def test_local_sampler_policy_plays_an_episode(tmp_path: Path) -> None:
     assert summary.episodes == 2 and summary.errors == 0
     record = _episodes(tmp_path)[0]
     assert 1 <= record["completion_tokens"] <= 16 and record["prompt_tokens"] > 20
+
+
+def test_episodes_cover_distinct_tasks_before_any_repeats(tmp_path: Path) -> None:
+    config = EvalConfig(GSM8K, "oracle", episodes=60, seed=1)
+    asyncio.run(evaluate(config, OraclePolicy(), tmp_path, concurrency=8, progress=False))
+    by_episode = {r["episode"]: r["task_id"] for r in _episodes(tmp_path)}
+    first = [by_episode[i] for i in range(54)]  # the bundled set has 54 problems
+    assert len(set(first)) == 54
+    assert [by_episode[i] for i in range(54, 60)] == first[:6]

@@ -156,3 +156,8 @@ def test_cli_and_argument_errors() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--loss", "dpo"])
     assert parse_args(["--env-kwargs", '{"max_turns": 3}']).env_kwargs == {"max_turns": 3}
+
+
+def test_tempered_sampling_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--temperature", "0.7"])

@@ -73,6 +73,8 @@ def test_tampered_digest_names_the_first_differing_step() -> None:
     assert caught.value.step == 2
     assert caught.value.expected == "0" * 16
     assert "step 2" in str(caught.value)
+    with pytest.raises(RuntimeError, match="call reset"):  # not a half-replayed episode
+        env.unwrapped.step("carry on")
 
 
 def test_tampered_action_is_caught_at_its_step() -> None:

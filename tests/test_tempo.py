@@ -457,11 +457,12 @@ def test_cli_arguments_and_plot_command(tmp_path: Path, capsys: pytest.CaptureFi
     assert parsed.argv == ["--horizon", "3", "--help"]
     assert parser.parse_args(["train", "plot", "runs/x"]).argv == ["runs/x"]
     args = parse_args(["--horizon", "3", "--branches", "8", "--no-prefix-is",
-                       "--temperature", "0.7", "--env-kwargs", '{"max_turns": 20}'])
+                       "--env-kwargs", '{"max_turns": 20}'])
     assert (args.horizon, args.branches, args.prefix_is, args.env_kwargs) == (
         3, 8, False, {"max_turns": 20})
     for bad in (["--branches", "1"], ["--critic-samples", "1"], ["--fresh-fraction", "0"],
-                ["--temperature", "0.7"], ["--batch-size", "1", "--fresh-fraction", "0.5"],
+                ["--temperature", "0.7"], ["--no-prefix-is", "--temperature", "0.7"],
+                ["--staleness", "0"], ["--batch-size", "1", "--fresh-fraction", "0.5"],
                 ["--is-cap", "0.5"], ["--r-max", "0"], ["--backend", "nowhere"],
                 ["--warmup-updates", "0", "--td-updates", "0"]):
         with pytest.raises(SystemExit):

@@ -28,11 +28,12 @@ import numpy as np
 from pytrio import AdamParams
 from tqdm import tqdm
 
+from agent_gym.core import describe_env
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.options import options_parser
 from trainers.render import ChatRenderer
-from trainers.rollout import RolloutConfig, describe_env, env_factory, rollout_groups
+from trainers.rollout import RolloutConfig, env_factory, rollout_groups
 from trainers.runfiles import append_metrics, keep_metrics_before, write_json
 
 LOSSES = ("importance_sampling", "ppo")
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
         parser.error(f"--loss must be one of {LOSSES}")
     if args.backend == "pytrio" and args.lora_rank < 1:
         parser.error("pytrio trains LoRA adapters only: --lora-rank must be positive")
+    if args.temperature != 1.0:
+        parser.error("--temperature must be 1: the learner scores the untempered policy, so "
+                     "importance ratios to tempered sampling logprobs would be biased")
     if min(args.steps, args.batch_size, args.group_size) < 1:
         parser.error("--steps, --batch-size and --group-size must be positive")
     return args

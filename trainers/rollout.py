@@ -34,7 +34,6 @@ import gymnasium
 from pytrio import ModelInput, SamplingParams
 from pytrio.types import SampleResponse, SampleSequence
 
-from agent_gym.core import TextEnv
 from agent_gym.state import EnvState
 from trainers.episode import Episode, Turn
 from trainers.render import ChatRenderer, Conversation
@@ -64,17 +63,6 @@ def env_factory(env_id: str, env_kwargs: Mapping[str, Any], ray: str | None) -> 
     from agent_gym.distributed import remote_env_factory
 
     return remote_env_factory(env_id, dict(env_kwargs), ray)
-
-
-def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> tuple[int, int]:
-    """``(number of tasks, max turns)`` of an agent_gym env, read from a local instance."""
-    env = gymnasium.make(env_id, **env_kwargs)
-    try:
-        if not isinstance(env.unwrapped, TextEnv):
-            raise ValueError(f"{env_id} is not an agent_gym TextEnv")
-        return len(env.unwrapped.tasks), env.unwrapped.max_turns
-    finally:
-        env.close()
 
 
 class EnvPool:

@@ -56,6 +56,7 @@ import numpy as np
 from pytrio import AdamParams, ModelInput
 from tqdm import tqdm
 
+from agent_gym.core import describe_env
 from trainers.backends import BACKENDS, make_service
 from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, active_tokens, build_datum
@@ -66,7 +67,6 @@ from trainers.rollout import (
     EnvPool,
     RolloutConfig,
     Sampler,
-    describe_env,
     env_factory,
     rollout_groups,
 )
@@ -139,12 +139,13 @@ def parse_args(argv: list[str] | None = None) -> Args:
         (0 < args.fresh_fraction < 1 and fresh_quota(args.batch_size, args.fresh_fraction)
          == args.batch_size, f"--fresh-fraction {args.fresh_fraction} of --batch-size "
          f"{args.batch_size} rounds up to every group: raise the batch or pass 1"),
-        (args.staleness < 0, "--staleness must be >= 0"),
+        (args.staleness < 1, "--staleness must be >= 1: a state is drawn at least one "
+         "policy version after it was made"),
         (not (math.isfinite(args.r_max) and args.r_max > 0), "--r-max must be positive"),
         (args.is_cap < 1, "--is-cap must be at least 1"),
-        (args.prefix_is and args.temperature != 1.0,
-         "--prefix-is needs --temperature 1: compute_logprobs scores the untempered policy, "
-         "so the ratio to tempered sampling logprobs would be wrong (or pass --no-prefix-is)"),
+        (args.temperature != 1.0,
+         "--temperature must be 1: the learner and compute_logprobs score the untempered "
+         "policy, so importance ratios to tempered sampling logprobs would be biased"),
     ]
     for failed, message in problems:
         if failed:
