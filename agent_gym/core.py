@@ -281,6 +281,8 @@ class TextEnv(gymnasium.Env[str, str]):
         self, action: str, result: Transition
     ) -> tuple[str, float, bool, bool, dict[str, Any]]:
         """Record one action and what it did; the bookkeeping half of ``step``."""
+        if len(result.observation) > MAX_OBSERVATION_CHARS:  # stay inside observation_space
+            result.observation = result.observation[:MAX_OBSERVATION_CHARS]
         self._actions.append(action)
         self._digests.append(digest(result.observation))
         self._transcript.append(result.observation)

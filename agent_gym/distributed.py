@@ -12,6 +12,7 @@ so a training loop sees the loss instead of silently dropping or inventing data.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from copy import deepcopy
@@ -88,7 +89,15 @@ class RemoteEnv(gymnasium.Env):
         return ray.get(self.actor.save_state.remote())
 
     def close(self) -> None:
-        ray.kill(self.actor)
+        _close_actor(self.actor)
+
+
+def _close_actor(actor: Any) -> None:
+    """Let the env release what it holds (sandboxes, engines), then end the actor."""
+    # Already dead, or its env failed to close: the actor ends regardless.
+    with contextlib.suppress(Exception):
+        ray.get(actor.close.remote(), timeout=30)
+    ray.kill(actor)
 
 
 def remote_env_factory(
@@ -196,7 +205,7 @@ class RayVectorEnv(VectorEnv):
 
     def close_extras(self, **kwargs: Any) -> None:
         for actor in self.actors:
-            ray.kill(actor)
+            _close_actor(actor)
 
 
 def _seeds(seed: int | Sequence[int | None] | None, n: int) -> list[int | None]:

@@ -22,6 +22,7 @@ Specs for the command line:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -77,18 +78,25 @@ class OraclePolicy:
 
 
 class RandomAdmissiblePolicy:
-    """A uniformly random admissible action: the floor any learned policy must beat."""
+    """A uniformly random admissible action: the floor any learned policy must beat.
+
+    Each choice is seeded by the episode's opening chat and the turn, not by a shared
+    stream, so concurrent or resumed runs choose exactly as a sequential one would.
+    """
 
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
-        self._rng = random.Random(seed)
+        self.seed = seed
 
     async def act(self, observation: PolicyInput) -> Reply:
         admissible = observation.info.get("admissible_actions")
         if not admissible:
             raise PolicyError("this env lists no admissible_actions in its info")
-        return Reply(self._rng.choice(list(admissible)))
+        opening = json.dumps(observation.messages[:2], sort_keys=True)
+        key = f"{self.seed}:{observation.turn}:{opening}".encode()
+        rng = random.Random(hashlib.sha256(key).digest())
+        return Reply(rng.choice(list(admissible)))
 
 
 # --------------------------------------------------------------------- OpenAI-compatible

@@ -168,3 +168,11 @@ def test_malformed_tool_calls_never_raise_in_tool_envs(env_id: str) -> None:
         observation, *_, info = env.step(action)
         assert info["invalid"] is True and observation
     env.close()
+
+
+def test_observations_stay_inside_the_observation_space() -> None:
+    env = EchoEnv(max_turns=2)  # echoes the action back, so a long action overflows
+    env.reset(seed=0)
+    observation, *_ = env.step("x" * env.max_action_chars)
+    assert env.observation_space.contains(observation)
+    assert env.reset(options={"state": env.save_state()})[0] == observation

@@ -193,3 +193,14 @@ def test_episodes_cover_distinct_tasks_before_any_repeats(tmp_path: Path) -> Non
     first = [by_episode[i] for i in range(54)]  # the bundled set has 54 problems
     assert len(set(first)) == 54
     assert [by_episode[i] for i in range(54, 60)] == first[:6]
+
+
+def test_random_policy_choices_do_not_depend_on_scheduling() -> None:
+    policy = make_policy("random", seed=3)
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "task A"}]
+    observation = PolicyInput(chat, [], 2, info={"admissible_actions": list("abcdefgh")})
+    first = asyncio.run(policy.act(observation)).text
+    for _ in range(5):  # other episodes in between do not shift this one's choice
+        asyncio.run(policy.act(PolicyInput([chat[0], {"role": "user", "content": "B"}], [], 0,
+                                           info={"admissible_actions": list("xyz")})))
+        assert asyncio.run(policy.act(observation)).text == first
