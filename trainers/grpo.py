@@ -34,7 +34,12 @@ from trainers.episode import Episode, active_tokens, build_datum
 from trainers.options import options_parser
 from trainers.render import ChatRenderer
 from trainers.rollout import RolloutConfig, env_factory, rollout_groups
-from trainers.runfiles import append_metrics, keep_metrics_before, write_json
+from trainers.runfiles import (
+    append_metrics,
+    keep_metrics_before,
+    open_training_client,
+    write_json,
+)
 
 LOSSES = ("importance_sampling", "ppo")
 CHECKPOINT_FILE = "checkpoint.json"
@@ -96,21 +101,11 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
     )
 
     # ---- training client: fresh, or from the last checkpoint of a killed run
-    start = 0
     checkpoint = out / CHECKPOINT_FILE
-    if args.resume and checkpoint.is_file():
-        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-        for key in ("env_id", "model", "lora_rank", "backend"):
-            if saved["args"][key] != getattr(args, key):
-                raise ValueError(f"--resume: the run in {out} used {key}={saved['args'][key]!r}")
-        training = service.create_training_client_from_state_with_optimizer(saved["path"])
-        start = saved["step"]
-    elif args.lora_rank == 0:
-        training = service.create_full_training_client(args.model, seed=args.seed)
-    else:
-        training = service.create_lora_training_client(
-            args.model, rank=args.lora_rank, seed=args.seed
-        )
+    training, saved = open_training_client(
+        service, args, checkpoint, ("env_id", "model", "lora_rank", "backend")
+    )
+    start = saved["step"] if saved else 0
     metrics_path = out / METRICS_FILE
     keep_metrics_before(metrics_path, start)
 

@@ -1,4 +1,5 @@
-"""Files of a training run that must survive a kill: atomic writes and metric trimming."""
+"""Files of a training run that must survive a kill: atomic writes, metric trimming, and
+the training client a checkpoint names."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def append_metrics(path: Path, row: dict[str, Any]) -> None:
         handle.write(json.dumps(row) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def open_training_client(
+    service: Any, args: Any, checkpoint: Path, same: tuple[str, ...]
+) -> tuple[Any, dict[str, Any] | None]:
+    """A fresh training client, or (``args.resume`` and a checkpoint exists) the one the
+    last checkpoint saved, with its optimizer; also returns that checkpoint's record.
+
+    ``same`` names the arguments a resumed run must share with the run it continues.
+    """
+    if args.resume and checkpoint.is_file():
+        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
+        for key in same:
+            if saved["args"][key] != getattr(args, key):
+                raise ValueError(
+                    f"--resume: the run in {checkpoint.parent} used {key}={saved['args'][key]!r}"
+                )
+        return service.create_training_client_from_state_with_optimizer(saved["path"]), saved
+    if args.lora_rank == 0:
+        return service.create_full_training_client(args.model, seed=args.seed), None
+    return service.create_lora_training_client(
+        args.model, rank=args.lora_rank, seed=args.seed
+    ), None

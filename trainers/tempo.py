@@ -70,7 +70,13 @@ from trainers.rollout import (
     env_factory,
     rollout_groups,
 )
-from trainers.runfiles import append_metrics, keep_metrics_before, write_json, write_text
+from trainers.runfiles import (
+    append_metrics,
+    keep_metrics_before,
+    open_training_client,
+    write_json,
+    write_text,
+)
 from trainers.store import MacroState, StateStore, cut, fresh_quota
 
 CHECKPOINT_FILE = "checkpoint.json"
@@ -229,25 +235,16 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
     )
 
     # ---- training client and state store: fresh, or from the last checkpoint
-    start = 0
-    store = StateStore(args.store_capacity, args.staleness)
     checkpoint = out / CHECKPOINT_FILE
-    if args.resume and checkpoint.is_file():
-        saved = json.loads(checkpoint.read_text(encoding="utf-8"))
-        for key in ("env_id", "env_kwargs", "model", "lora_rank", "backend"):
-            if saved["args"][key] != getattr(args, key):
-                raise ValueError(f"--resume: the run in {out} used {key}={saved['args'][key]!r}")
-        training = service.create_training_client_from_state_with_optimizer(saved["path"])
+    training, saved = open_training_client(
+        service, args, checkpoint, ("env_id", "env_kwargs", "model", "lora_rank", "backend")
+    )
+    start, store = 0, StateStore(args.store_capacity, args.staleness)
+    if saved:
+        start = saved["step"]
         store = StateStore.from_json(
             (out / saved["store"]).read_text(encoding="utf-8"), args.store_capacity,
             args.staleness,
-        )
-        start = saved["step"]
-    elif args.lora_rank == 0:
-        training = service.create_full_training_client(args.model, seed=args.seed)
-    else:
-        training = service.create_lora_training_client(
-            args.model, rank=args.lora_rank, seed=args.seed
         )
     metrics_path = out / METRICS_FILE
     keep_metrics_before(metrics_path, start)
