@@ -1,4 +1,10 @@
-"""The ``agent-gym`` command line: each area registers its own subcommands."""
+"""The ``agent-gym`` command line: each area registers its own subcommands.
+
+Commands from other installed packages (the bundled ``trainers`` adds ``agent-gym train``)
+come in through the ``agent_gym.commands`` entry-point group: each entry is a
+``register(subparsers)`` function, imported when the parser is built. Such a register
+function must stay cheap to import: the env commands never load a trainer's torch.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import asyncio
 import json
 import sys
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +24,6 @@ from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.eval import EvalConfig, evaluate, format_table
 from agent_gym.policies import make_policy
 from agent_gym.search import cli as search_cli
-from trainers import cli as trainers_cli
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class SuiteEntry:
         return self.episodes if policy_spec in SCRIPTED_POLICIES else self.model_episodes
 
 
+COMMAND_ENTRY_POINTS = "agent_gym.commands"
 SCRIPTED_POLICIES = ("oracle", "random")
 # Suites run on bundled data only, so they work offline.
 SUITES: dict[str, list[SuiteEntry]] = {
@@ -153,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.set_defaults(run=_eval)
     search_cli.register(commands)
     alfworld_cli.register(commands)
-    trainers_cli.register(commands)
+    for point in entry_points(group=COMMAND_ENTRY_POINTS):
+        point.load()(commands)
     return parser
 
 

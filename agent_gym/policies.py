@@ -17,6 +17,11 @@ Specs for the command line:
   checkpoint saved by ``agent-gym train``);
 * ``pytrio:MODEL[@CHECKPOINT]`` — a PyTRIO sampler of a base model or a trained checkpoint
   (credentials as for ``pytrio``).
+
+The sampler policies (``local``, ``pytrio``) need torch or the PyTRIO SDK, which this
+package does not depend on: another installed package supplies them under the
+``agent_gym.policies`` entry-point group, one entry per spec prefix, each a callable
+``(spec, *, seed, max_tokens) -> Policy``. The bundled ``trainers`` package registers both.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import json
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 import httpx
@@ -268,60 +275,17 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-# --------------------------------------------------------------------- samplers
-class SamplerPolicy:
-    """A pytrio-style sampling client: the remote service's or the local torch backend's.
-
-    Both expose ``sample_async(ModelInput, num_samples, SamplingParams)`` and
-    ``get_tokenizer()``. Prompts come from the trainers' renderer, rendered whole each turn
-    from the transcript (a policy sees messages, not token histories); for templates that
-    render history stably (checked by the renderer) that equals the token-continuous
-    prompt training uses. A reply cut by ``max_tokens`` is passed on as written, as an
-    OpenAI-compatible server would.
-    """
-
-    def __init__(
-        self, name: str, sampling_client: Any, *, max_tokens: int = 256,
-        temperature: float = 0.0, seed: int = 0,
-    ) -> None:
-        from trainers.render import ChatRenderer
-
-        self.name = name
-        self.client = sampling_client
-        self.renderer = ChatRenderer(sampling_client.get_tokenizer())
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.seed = seed
-
-    async def act(self, observation: PolicyInput) -> Reply:
-        from pytrio import ModelInput, SamplingParams
-
-        prompt = self.renderer.prompt(observation.messages, observation.tools or None)
-        params = SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature,
-            seed=self.seed + observation.turn, stop=sorted(self.renderer.stop_tokens),
-        )
-        response = await self.client.sample_async(
-            ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
-        )
-        completion = list(response.sequences[0].tokens)
-        return Reply(self.renderer.completion_text(completion), len(prompt), len(completion))
-
-
-def sampler_policy(spec: str, *, seed: int, max_tokens: int) -> SamplerPolicy:
-    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``."""
-    from trainers.backends import make_service
-
-    backend, _, rest = spec.partition(":")
-    model, _, checkpoint = rest.partition("@")
-    if backend == "pytrio" and not model:
-        raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
-    service = make_service(backend)
-    client = service.create_sampling_client(model or "smollm2", checkpoint or None)
-    return SamplerPolicy(spec, client, max_tokens=max_tokens, seed=seed)
-
-
 # --------------------------------------------------------------------- specs
+POLICY_ENTRY_POINTS = "agent_gym.policies"
+PolicyBuilder = Callable[..., "Policy"]
+
+
+def plugin_policies() -> dict[str, PolicyBuilder]:
+    """Spec prefixes other packages supply, such as ``local`` and ``pytrio``, by name; each
+    builder is imported only when a spec uses it."""
+    return {point.name: point.load for point in entry_points(group=POLICY_ENTRY_POINTS)}
+
+
 def make_policy(spec: str, *, seed: int = 0, max_tokens: int = 256) -> Policy:
     """Build a policy from a command-line spec (see the module docstring)."""
     if spec == "oracle":
@@ -338,9 +302,10 @@ def make_policy(spec: str, *, seed: int = 0, max_tokens: int = 256) -> Policy:
         return OpenAIChatPolicy(
             model, base_url, native_tools=mode != "text", max_tokens=max_tokens
         )
-    if spec == "local" or spec.startswith(("local:", "pytrio:")):
-        return sampler_policy(spec, seed=seed, max_tokens=max_tokens)
-    raise ValueError(
-        f"unknown policy {spec!r}; use oracle, random, openai:MODEL@URL, local[:MODEL] or "
-        "pytrio:MODEL[@CHECKPOINT]"
-    )
+    plugins = plugin_policies()
+    prefix = spec.partition(":")[0]
+    if prefix in plugins:
+        builder = plugins[prefix]()
+        return builder(spec, seed=seed, max_tokens=max_tokens)
+    known = ["oracle", "random", "openai:MODEL@URL", *(f"{name}[:MODEL]" for name in plugins)]
+    raise ValueError(f"unknown policy {spec!r}; use one of: {', '.join(known)}")

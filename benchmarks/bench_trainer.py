@@ -27,7 +27,7 @@ from pytrio import Datum, ModelInput
 
 from trainers.episode import Turn, build_datum
 from trainers.models import load_tokenizer
-from trainers.render import ChatRenderer, Conversation
+from agent_gym.render import ChatRenderer, Conversation
 
 OPENING = [
     {"role": "system", "content": "You are an agent. Use the python tool, then answer."},

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.grpo_toy import word_level_tokenizer
 from trainers.models import tiny_model
-from trainers.render import ChatRenderer
+from agent_gym.render import ChatRenderer
 
 WORDS = ["<value>", "</value>", *"0123456789", ".", " ", "\n", "system", "user", "assistant",
          "tool", "no"]

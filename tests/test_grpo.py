@@ -19,7 +19,7 @@ from trainers.backends.local import LocalServiceClient
 from trainers.cli import register
 from trainers.episode import build_datum
 from trainers.grpo import Args, parse_args, train
-from trainers.render import ChatRenderer
+from agent_gym.render import ChatRenderer
 from trainers.rollout import RolloutConfig, rollout_group
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from tests.chat_templates import (
     smollm2_tokenizer,
     with_template,
 )
-from trainers.render import ChatRenderer, Conversation, HistoryRewriteError, TemplateError
+from agent_gym.render import ChatRenderer, Conversation, HistoryRewriteError, TemplateError
 
 TOOLS = [
     {

@@ -29,7 +29,7 @@ from trainers.critic import (
     parse_value,
 )
 from trainers.episode import Episode, Turn
-from trainers.render import ChatRenderer
+from agent_gym.render import ChatRenderer
 from trainers.rollout import RolloutConfig, RolloutError, rollout_group
 from trainers.store import MacroState, StateStore, StoreError, cut, fresh_quota
 from trainers.tempo import (

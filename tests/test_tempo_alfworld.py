@@ -15,7 +15,7 @@ import pytest
 
 from tests import tempo_toy
 from trainers.backends.local import LocalServiceClient
-from trainers.render import ChatRenderer
+from agent_gym.render import ChatRenderer
 from trainers.rollout import EnvPool, RolloutConfig, RolloutError, rollout_group
 from trainers.store import StateStore
 from trainers.tempo import Args, train

@@ -30,7 +30,7 @@ import numpy as np
 from pytrio import ModelInput, SamplingParams
 
 from trainers.episode import Turn
-from trainers.render import ChatRenderer
+from agent_gym.render import ChatRenderer
 from trainers.rollout import Sampler
 
 SYSTEM_PROMPT = (

@@ -2,7 +2,7 @@
 
 An episode is a list of turns. Each turn keeps the exact prompt tokens the sampler was
 given, the tokens it sampled, their logprobs and why sampling stopped. Because prompts grow
-by extension (see ``trainers.render``), the last prompt plus the last completion is the
+by extension (see ``agent_gym.render``), the last prompt plus the last completion is the
 whole trajectory, and every earlier completion sits inside it at a known offset.
 
 One episode becomes one ``pytrio.Datum`` (tinker format, next-token aligned):

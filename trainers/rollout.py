@@ -3,7 +3,7 @@
 A *group* is N branches of one task. All branches reset to the same task and open with the
 same chat, so they share the first prompt and its first sampling call (``num_samples=N``:
 one prefill for all of them); from then on each branch continues on its own, turn by turn,
-with token-continuous prompts (``trainers.render``). Environment calls run in worker
+with token-continuous prompts (``agent_gym.render``). Environment calls run in worker
 threads so slow tools (sandboxes, search, ALFWorld) overlap with sampling.
 
 Budgets: ``max_turns`` replies per branch, ``max_tokens`` per reply and
@@ -36,7 +36,7 @@ from pytrio.types import SampleResponse, SampleSequence
 
 from agent_gym.state import EnvState
 from trainers.episode import Episode, Turn
-from trainers.render import ChatRenderer, Conversation
+from agent_gym.render import ChatRenderer, Conversation
 
 EnvFactory = Callable[[], gymnasium.Env]
 

@@ -62,7 +62,7 @@ from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.grpo import LOSSES
 from trainers.options import options_parser
-from trainers.render import ChatRenderer
+from agent_gym.render import ChatRenderer
 from trainers.rollout import (
     EnvPool,
     RolloutConfig,

@@ -1,0 +1,63 @@
+"""The sampler policies ``agent-gym eval`` can benchmark: ``local[:MODEL][@CHECKPOINT]`` (the
+local torch backend) and ``pytrio:MODEL[@CHECKPOINT]`` (the PyTRIO service).
+
+They live here, not in ``agent_gym``, because they need torch or the PyTRIO SDK;
+``agent_gym.policies.make_policy`` finds them through this package's ``agent_gym.policies``
+entry points.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytrio import ModelInput, SamplingParams
+
+from agent_gym.policies import PolicyInput, Reply
+from agent_gym.render import ChatRenderer
+from trainers.backends import make_service
+
+
+class SamplerPolicy:
+    """A pytrio-style sampling client: the remote service's or the local torch backend's.
+
+    Both expose ``sample_async(ModelInput, num_samples, SamplingParams)`` and
+    ``get_tokenizer()``. Prompts come from the shared renderer, rendered whole each turn
+    from the transcript (a policy sees messages, not token histories); for templates that
+    render history stably (checked by the renderer) that equals the token-continuous
+    prompt training uses. A reply cut by ``max_tokens`` is passed on as written, as an
+    OpenAI-compatible server would.
+    """
+
+    def __init__(
+        self, name: str, sampling_client: Any, *, max_tokens: int = 256,
+        temperature: float = 0.0, seed: int = 0,
+    ) -> None:
+        self.name = name
+        self.client = sampling_client
+        self.renderer = ChatRenderer(sampling_client.get_tokenizer())
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.seed = seed
+
+    async def act(self, observation: PolicyInput) -> Reply:
+        prompt = self.renderer.prompt(observation.messages, observation.tools or None)
+        params = SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature,
+            seed=self.seed + observation.turn, stop=sorted(self.renderer.stop_tokens),
+        )
+        response = await self.client.sample_async(
+            ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
+        )
+        completion = list(response.sequences[0].tokens)
+        return Reply(self.renderer.completion_text(completion), len(prompt), len(completion))
+
+
+def sampler_policy(spec: str, *, seed: int, max_tokens: int) -> SamplerPolicy:
+    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``."""
+    backend, _, rest = spec.partition(":")
+    model, _, checkpoint = rest.partition("@")
+    if backend == "pytrio" and not model:
+        raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
+    service = make_service(backend)
+    client = service.create_sampling_client(model or "smollm2", checkpoint or None)
+    return SamplerPolicy(spec, client, max_tokens=max_tokens, seed=seed)
