@@ -14,12 +14,12 @@ from pathlib import Path
 import gymnasium
 import pytest
 
+from agent_gym.render import ChatRenderer
 from tests import grpo_toy
 from trainers.backends.local import LocalServiceClient
 from trainers.cli import register
 from trainers.episode import build_datum
 from trainers.grpo import Args, parse_args, train
-from agent_gym.render import ChatRenderer
 from trainers.rollout import RolloutConfig, rollout_group
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from pytrio.errors.base import ValidationError
 from pytrio.protocol.actor.events.event import EventType
 
 from agent_gym.eval import EvalConfig, evaluate
-from trainers.policies import SamplerPolicy
+from agent_gym.render import ChatRenderer
 from tests import grpo_toy
 from tests.pytrio_double import (
     MAX_SAMPLES_PER_REQUEST,
@@ -25,7 +25,7 @@ from trainers.backends import make_service
 from trainers.backends.local import LocalServiceClient
 from trainers.episode import build_datum
 from trainers.grpo import Args, train
-from agent_gym.render import ChatRenderer
+from trainers.policies import SamplerPolicy
 from trainers.rollout import RolloutConfig, rollout_group
 
 MODEL_ID = "agent-gym/say-digit-tiny"

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from pytrio import ModelInput
 
+from agent_gym.render import ChatRenderer
 from agent_gym.state import EnvState, StateMismatchError
 from tests import grpo_toy, tempo_toy
 from trainers.backends.local import LocalServiceClient
@@ -29,7 +30,6 @@ from trainers.critic import (
     parse_value,
 )
 from trainers.episode import Episode, Turn
-from agent_gym.render import ChatRenderer
 from trainers.rollout import RolloutConfig, RolloutError, rollout_group
 from trainers.store import MacroState, StateStore, StoreError, cut, fresh_quota
 from trainers.tempo import (

@@ -13,9 +13,9 @@ from pathlib import Path
 import gymnasium
 import pytest
 
+from agent_gym.render import ChatRenderer
 from tests import tempo_toy
 from trainers.backends.local import LocalServiceClient
-from agent_gym.render import ChatRenderer
 from trainers.rollout import EnvPool, RolloutConfig, RolloutError, rollout_group
 from trainers.store import StateStore
 from trainers.tempo import Args, train

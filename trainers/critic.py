@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 from pytrio import ModelInput, SamplingParams
 
-from trainers.episode import Turn
 from agent_gym.render import ChatRenderer
+from trainers.episode import Turn
 from trainers.rollout import Sampler
 
 SYSTEM_PROMPT = (

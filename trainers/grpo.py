@@ -29,10 +29,10 @@ from pytrio import AdamParams
 from tqdm import tqdm
 
 from agent_gym.core import describe_env
+from agent_gym.render import ChatRenderer
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.options import options_parser
-from agent_gym.render import ChatRenderer
 from trainers.rollout import RolloutConfig, env_factory, rollout_groups
 from trainers.runfiles import (
     append_metrics,

@@ -34,9 +34,9 @@ import gymnasium
 from pytrio import ModelInput, SamplingParams
 from pytrio.types import SampleResponse, SampleSequence
 
+from agent_gym.render import ChatRenderer, Conversation
 from agent_gym.state import EnvState
 from trainers.episode import Episode, Turn
-from agent_gym.render import ChatRenderer, Conversation
 
 EnvFactory = Callable[[], gymnasium.Env]
 

@@ -57,12 +57,12 @@ from pytrio import AdamParams, ModelInput
 from tqdm import tqdm
 
 from agent_gym.core import describe_env
+from agent_gym.render import ChatRenderer
 from trainers.backends import BACKENDS, make_service
 from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, active_tokens, build_datum
 from trainers.grpo import LOSSES
 from trainers.options import options_parser
-from agent_gym.render import ChatRenderer
 from trainers.rollout import (
     EnvPool,
     RolloutConfig,
