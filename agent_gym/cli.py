@@ -1,9 +1,9 @@
 """The ``agent-gym`` command line: each area registers its own subcommands.
 
 Commands from other installed packages (the bundled ``trainers`` adds ``agent-gym train``)
-come in through the ``agent_gym.commands`` entry-point group: each entry is a
-``register(subparsers)`` function, imported when the parser is built. Such a register
-function must stay cheap to import: the env commands never load a trainer's torch.
+come in through the ``agent_gym.commands`` entry-point group: each entry is named after its
+command and is a ``register(subparsers)`` function. It is imported only when its command
+runs (or for the overview), so the env commands never import another package.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ class SuiteEntry:
 
 
 COMMAND_ENTRY_POINTS = "agent_gym.commands"
+BUILTIN_COMMANDS = frozenset({"envs", "replay", "eval", "search", "alfworld"})
 SCRIPTED_POLICIES = ("oracle", "random")
 # Suites run on bundled data only, so they work offline.
 SUITES: dict[str, list[SuiteEntry]] = {
@@ -123,8 +125,13 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="agent-gym", description=__doc__)
+def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
+    """The whole command line, with the plugin commands in ``plugins`` registered."""
+    parser = argparse.ArgumentParser(
+        prog="agent-gym",
+        description="Text environments for LLM agents: list and replay them, benchmark policies on "
+        "them, build their search indexes and games, and train on them.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("envs", help="list the registered environments").set_defaults(
         run=_list_envs
@@ -160,13 +167,25 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.set_defaults(run=_eval)
     search_cli.register(commands)
     alfworld_cli.register(commands)
-    for point in entry_points(group=COMMAND_ENTRY_POINTS):
+    for point in plugins:
         point.load()(commands)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _plugins_for(argv: Sequence[str]) -> list[EntryPoint]:
+    """The plugin commands ``argv`` needs: the one it names, or all of them when it names no
+    built-in command (the overview, or an unknown command whose error lists them all)."""
+    plugins = list(entry_points(group=COMMAND_ENTRY_POINTS))
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command in BUILTIN_COMMANDS:
+        return []
+    named = [point for point in plugins if point.name == command]
+    return named or plugins
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(_plugins_for(argv)).parse_args(argv)
     return int(args.run(args))
 
 

@@ -1,0 +1,67 @@
+"""The packages point one way: ``trainers`` imports ``agent_gym``, never the reverse."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import agent_gym
+from agent_gym.cli import BUILTIN_COMMANDS, build_parser
+
+PACKAGE = Path(agent_gym.__file__).parent
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function (lazy imports too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_no_agent_gym_module_imports_trainers() -> None:
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(
+            name for name in _imported_modules(path) if name.split(".")[0] == "trainers"
+        )
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_env_commands_eval_and_envs_load_no_trainer_module(tmp_path: Path) -> None:
+    """`agent-gym eval` with a scripted policy, `envs` and the env packages run without
+    `trainers` ever entering the process."""
+    script = f"""
+import sys
+import gymnasium
+import agent_gym, agent_gym.eval, agent_gym.policies
+from agent_gym.cli import main
+main(["envs"])
+main(["eval", "agent_gym/GSM8K-v0", "--episodes", "2", "--quiet", "--out", {str(tmp_path)!r}])
+env = gymnasium.make("agent_gym/Search-v0")
+env.reset(seed=0)
+env.close()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "trainers")
+assert not loaded, loaded
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_train_command_and_sampler_policies_come_from_entry_points() -> None:
+    from importlib.metadata import entry_points
+
+    from agent_gym.policies import plugin_policies
+
+    commands = {point.name for point in entry_points(group="agent_gym.commands")}
+    assert "train" in commands and not commands & BUILTIN_COMMANDS
+    assert {"local", "pytrio"} <= set(plugin_policies())
+    parser = build_parser(list(entry_points(group="agent_gym.commands")))
+    assert parser.parse_args(["train", "grpo", "--steps", "2"]).argv == ["--steps", "2"]
