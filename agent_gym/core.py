@@ -130,11 +130,12 @@ class Opening:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Transition:
     """What one action did, as the env's task logic sees it: ``reward`` before the base's
     rules (invalid penalty, running out of turns) are applied. ``role`` is the chat role of
-    the message the env answers with."""
+    the message the env answers with. Frozen, because the base keeps transitions to hand
+    them out again on a snapshot restore."""
 
     observation: str
     reward: float = 0.0
@@ -169,7 +170,8 @@ class TextEnv(gymnasium.Env[str, str]):
     first out, at most ``snapshot_cache_size``). A restore jumps to the deepest cached
     prefix of the state's actions and replays only the rest; the cached transitions go
     through the same bookkeeping and digest check as replayed ones, so a state whose
-    observations differ still fails at the step that differs.
+    observations differ still fails at the step that differs. The restore's info says how
+    many steps a snapshot skipped (``snapshot_depth``) out of ``restored_depth``.
     """
 
     env_id: ClassVar[str] = ""
@@ -256,8 +258,8 @@ class TextEnv(gymnasium.Env[str, str]):
     def _out_of_turns(self, last: Transition) -> Transition:
         """The last allowed turn ended without ending the episode, which is truncated.
 
-        Return ``last`` as it should count (a new object: transitions are kept for
-        restores); the default leaves it as it is.
+        Return ``last`` as it should count (``dataclasses.replace`` it); the default leaves
+        it as it is.
         """
         return last
 
@@ -363,7 +365,9 @@ class TextEnv(gymnasium.Env[str, str]):
     def _jump(self, state: EnvState) -> tuple[Transition, ...]:
         """Restore the snapshot after the longest cached prefix of the state's actions and
         return the transitions on the way there; () when there is none to use."""
-        for depth in range(len(state.actions) if self._prefix_cache else 0, 0, -1):
+        if not self._prefix_cache:
+            return ()
+        for depth in range(len(state.actions), 0, -1):
             key = (state.task_id, state.actions[:depth])
             prefix = self._prefix_cache.get(key)
             if prefix is None:
