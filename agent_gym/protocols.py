@@ -77,9 +77,12 @@ class ActionProtocol(ABC):
         return f"To {purpose}, {self.how_to_call}{self._where_output_goes()}."
 
     def _where_output_goes(self) -> str:
+        """A clause on where the output comes back; a tool message needs none."""
         return ""
 
     def _checked(self, reply: str, argument: str) -> str:
+        """``reply`` if it parses back to ``argument``: a scripted reply the env would read
+        differently would fail oracles and tests far from the cause."""
         try:
             parsed = self.parse(reply)
         except ToolCallError as err:
