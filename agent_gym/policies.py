@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call
 
 
 class PolicyError(RuntimeError):
@@ -264,12 +264,8 @@ def _tool_calls_as_text(content: str, tool_calls: list[dict[str, Any]] | None) -
     parts = [content.strip()] if content.strip() else []
     for call in tool_calls or []:
         function = call["function"]
-        # Arguments arrive as a JSON string; keep it verbatim so the env judges it.
-        raw = function.get("arguments") or "{}"
-        parts.append(
-            f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(function["name"])}, "arguments": {raw}}}\n'
-            f"{TOOL_CALL_CLOSE}"
-        )
+        # Arguments arrive as a JSON string; format_tool_call keeps it verbatim for the env.
+        parts.append(format_tool_call(function["name"], function.get("arguments") or "{}"))
     return "\n".join(parts)
 
 
