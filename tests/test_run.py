@@ -133,15 +133,18 @@ def test_a_lora_only_service_refuses_full_fine_tuning(model: str, tmp_path: Path
     class LoraOnly:
         def __init__(self) -> None:
             self.local = LocalServiceClient()
+            self.ranks: list[int] = []
 
         def create_lora_training_client(self, base_model: str, rank: int = 32,
                                         seed: int | None = None) -> object:
+            self.ranks.append(rank)
             return self.local.create_lora_training_client(base_model, rank=rank, seed=seed)
 
         def create_training_client_from_state_with_optimizer(self, path: str) -> object:
             return self.local.create_training_client_from_state_with_optimizer(path)
 
+    service = LoraOnly()
     with pytest.raises(ValueError, match="LoRA adapters only"):
-        open_run(toy(model, tmp_path), 1, LoraOnly())  # type: ignore[arg-type]
-    with open_run(toy(model, tmp_path, lora_rank=4), 1, LoraOnly()) as run:  # type: ignore[arg-type]
-        assert run.training.setup.rank == 4  # type: ignore[attr-defined]
+        open_run(toy(model, tmp_path), 1, service)  # type: ignore[arg-type]
+    with open_run(toy(model, tmp_path, lora_rank=4), 1, service):  # type: ignore[arg-type]
+        assert service.ranks == [4]
