@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from agent_gym.render import ChatRenderer
 from tests.grpo_toy import word_level_tokenizer
 from trainers.models import tiny_model
-from agent_gym.render import ChatRenderer
 
 WORDS = ["<value>", "</value>", *"0123456789", ".", " ", "\n", "system", "user", "assistant",
          "tool", "no"]

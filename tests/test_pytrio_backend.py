@@ -14,7 +14,7 @@ from pytrio.errors.base import ValidationError
 from pytrio.protocol.actor.events.event import EventType
 
 from agent_gym.eval import EvalConfig, evaluate
-from trainers.policies import SamplerPolicy
+from agent_gym.render import ChatRenderer
 from tests import grpo_toy
 from tests.pytrio_double import (
     MAX_SAMPLES_PER_REQUEST,
@@ -25,7 +25,7 @@ from trainers.backends import make_service
 from trainers.backends.local import LocalServiceClient
 from trainers.episode import build_datum
 from trainers.grpo import Args, train
-from agent_gym.render import ChatRenderer
+from trainers.policies import SamplerPolicy
 from trainers.rollout import RolloutConfig, rollout_group
 
 MODEL_ID = "agent-gym/say-digit-tiny"
@@ -101,7 +101,7 @@ def test_rollouts_and_datums_through_pytrio_types(server: FakePytrioServer) -> N
     episodes = asyncio.run(
         rollout_group(lambda: grpo_toy.SayDigitEnv(), {"index": 2}, sampler, renderer, config)
     )
-    datums = [build_datum(e.turns, float(i) - 2) for i, e in enumerate(episodes)]
+    datums = [build_datum(e.sequence, float(i) - 2) for i, e in enumerate(episodes)]
     output = training.forward_backward(datums, "importance_sampling").result()
     assert len(output.loss_fn_outputs) == 5
     assert output.metrics["token_count"] == sum(e.sampled_tokens for e in episodes)

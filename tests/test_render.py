@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from agent_gym.render import ChatRenderer, Conversation, HistoryRewriteError, TemplateError
 from tests.chat_templates import (
     QWEN_TOOLS,
     REWRITES_BEFORE_TOOL,
@@ -14,7 +15,6 @@ from tests.chat_templates import (
     smollm2_tokenizer,
     with_template,
 )
-from agent_gym.render import ChatRenderer, Conversation, HistoryRewriteError, TemplateError
 
 TOOLS = [
     {
