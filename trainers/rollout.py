@@ -19,7 +19,7 @@ env's replay already checks every observation digest), and ``max_turns`` is the
 macro-step's horizon. With ``keep_states`` each episode records its final env state and,
 when it stopped at the horizon, the prompt to continue from.
 
-Pass an ``trainers.run.EnvPool`` as ``make_env`` to reuse envs across groups.
+Pass a ``trainers.run.EnvPool`` as ``make_env`` to reuse envs across groups and steps.
 """
 
 from __future__ import annotations

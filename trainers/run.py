@@ -56,7 +56,8 @@ CHECKPOINT_FILE = "checkpoint.json"
 METRICS_FILE = "metrics.jsonl"
 
 EnvFactory = Callable[[], gymnasium.Env]
-Metrics = dict[str, Any]  # one metrics line: numbers, None, strings, a dict of counts
+# One metrics line: numbers, None (not measured this step), the phase, counts by end reason.
+Metrics = dict[str, float | int | str | dict[str, int] | None]
 
 
 # --------------------------------------------------------------------- the client surface
@@ -201,7 +202,7 @@ class RunArgs:
     lora_rank: int = 32  # 0 = full fine-tuning (local backend only)
     api_key: str | None = None  # pytrio only
     ray: str | None = None  # "local" or a cluster address: step envs in Ray actors
-    # -- the local backend's device and thread options belong here
+    # -- the local backend's device and thread options go here (they come with its rewrite)
     batch_size: int = 8  # groups per step
     learning_rate: float = 4e-5
     grad_clip_norm: float = 1.0
