@@ -110,9 +110,9 @@ def test_rollouts_and_datums_through_pytrio_types(server: FakePytrioServer) -> N
         sampled = datum.loss_fn_inputs["logprobs"].data
         assert out["logprobs"].data == pytest.approx(sampled, abs=1e-4)
     training.optim_step(AdamParams(learning_rate=1e-3)).result()
-    prompt = ModelInput.from_ints(episodes[0].tokens)
+    prompt = ModelInput.from_ints(list(episodes[0].sequence.tokens))
     logprobs = sampler.compute_logprobs(prompt).result()
-    assert logprobs[0] is None and len(logprobs) == len(episodes[0].tokens)
+    assert logprobs[0] is None and len(logprobs) == len(episodes[0].sequence.tokens)
 
 
 def test_pytrio_rejects_what_pytrio_rejects(server: FakePytrioServer) -> None:

@@ -413,9 +413,10 @@ class Run:
             write_text(self.out / store_file, store.to_json())
         record = Checkpoint(done, path, dataclasses.asdict(self.args), store_file)
         write_text(self.out / CHECKPOINT_FILE, json.dumps(record.to_dict(), indent=1))
-        for old in self.out.glob("store-*.json"):
-            if old.name != store_file:
-                old.unlink()
+        if store_file is not None:  # the previous checkpoint's store is named no more
+            for old in self.out.glob("store-*.json"):
+                if old.name != store_file:
+                    old.unlink()
 
     def close(self) -> None:
         self.envs.close()
