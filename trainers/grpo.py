@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from pytrio import Datum
 
 from trainers.episode import build_datum
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
@@ -71,7 +72,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             t2 = time.perf_counter()
 
             # ---- advantages and datums; groups without signal are skipped
-            datums = []
+            datums: list[Datum] = []
             degenerate = 0
             for group in groups:
                 rewards = np.array([episode.reward for episode in group])

@@ -279,11 +279,11 @@ class Checkpoint:
 
     step: int
     path: str
-    args: dict[str, Any]
+    args: dict[str, object]
     store: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        record = {"step": self.step, "path": self.path, "args": self.args}
+    def to_dict(self) -> dict[str, object]:
+        record: dict[str, object] = {"step": self.step, "path": self.path, "args": self.args}
         return record | ({"store": self.store} if self.store is not None else {})
 
     @classmethod
@@ -292,13 +292,13 @@ class Checkpoint:
         return cls(saved["step"], saved["path"], saved["args"], saved.get("store"))
 
 
-def write_text(path: Path, text: str) -> None:
+def _write_text(path: Path, text: str) -> None:
     staging = path.with_name(path.name + ".tmp")
     staging.write_text(text, encoding="utf-8")
     os.replace(staging, path)  # atomic: a kill never leaves half a file
 
 
-def append_metrics(path: Path, row: Metrics) -> None:
+def _append_metrics(path: Path, row: Metrics) -> None:
     """One line per step, on disk before the checkpoint that counts the step as done: a run
     killed between the two redoes the step instead of losing its line."""
     with path.open("a", encoding="utf-8") as handle:
@@ -317,7 +317,7 @@ def _keep_metrics_before(path: Path, step: int) -> None:
     """Drop metric lines a killed run wrote after its last checkpoint."""
     if path.is_file():
         kept = [row for row in read_metrics(path) if row["step"] < step]
-        write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+        _write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
 
 
 def _training_client(
@@ -402,7 +402,7 @@ class Run:
         """The step's metrics line, then, every ``save_every`` steps and at the end, a
         checkpoint: weights, optimizer, ``store`` if given, and ``checkpoint.json`` last,
         so a kill at any point leaves the previous checkpoint whole."""
-        append_metrics(self.out / METRICS_FILE, row)
+        _append_metrics(self.out / METRICS_FILE, row)
         done = step + 1
         if done % self.args.save_every and done != self.steps:
             return
@@ -410,9 +410,9 @@ class Run:
         store_file = None
         if store is not None:
             store_file = f"store-{done:06d}.json"
-            write_text(self.out / store_file, store.to_json())
+            _write_text(self.out / store_file, store.to_json())
         record = Checkpoint(done, path, dataclasses.asdict(self.args), store_file)
-        write_text(self.out / CHECKPOINT_FILE, json.dumps(record.to_dict(), indent=1))
+        _write_text(self.out / CHECKPOINT_FILE, json.dumps(record.to_dict(), indent=1))
         if store_file is not None:  # the previous checkpoint's store is named no more
             for old in self.out.glob("store-*.json"):
                 if old.name != store_file:
