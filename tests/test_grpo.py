@@ -95,9 +95,10 @@ def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
 
 
 def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    toy_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Search-v0 allows 6 replies; GRPO without --max-turns gives each episode all 6."""
+    """Search-v0 allows 6 replies; GRPO without --max-turns gives each episode all 6 (the
+    toy model's replies are invalid searches, so episodes run until the env truncates)."""
     budgets: list[int] = []
     real = grpo.rollout_groups
 
@@ -106,15 +107,17 @@ def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(grpo, "rollout_groups", recording)
-    args = parse_args(["--env-id", "agent_gym/Search-v0", "--model", "tiny", "--lora-rank", "4",
-                       "--steps", "1", "--batch-size", "1", "--group-size", "2",
-                       "--max-tokens", "4", "--out", str(tmp_path / "search"), "--no-progress"])
+    args = parse_args(["--env-id", "agent_gym/Search-v0", "--model", toy_model, "--lora-rank",
+                       "0", "--steps", "1", "--batch-size", "1", "--group-size", "4",
+                       "--max-tokens", "64", "--out", str(tmp_path / "six"), "--no-progress"])
     assert args.max_turns is None
-    history = train(args)
-    assert budgets == [6] and history[0]["episodes"] == 2
+    row = train(args)[0]
+    assert budgets == [6]
+    assert "max_turns" not in row["end_reasons"] and row["turns_mean"] > 1
     budgets.clear()
-    train(dataclasses.replace(args, max_turns=2, out=str(tmp_path / "two")))
+    row = train(dataclasses.replace(args, max_turns=2, out=str(tmp_path / "two")))[0]
     assert budgets == [2]
+    assert set(row["end_reasons"]) <= {"max_turns", "max_tokens"} and row["turns_mean"] <= 2
 
 
 def test_cli_and_argument_errors() -> None:
