@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent_gym.eval import EvalConfig, evaluate
 from agent_gym.policies import OpenAIChatPolicy
-from tests.openai_server import Behaviour, ChatServer
+from tests.helpers.openai_server import Behaviour, ChatServer
 
 
 def main() -> None:

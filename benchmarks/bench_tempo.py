@@ -6,7 +6,7 @@ of the best constant predictor measured on the same samples in the same updates.
 Setting: the bundled ALFWorld games (8 turns), macro-steps of H=2 turns, N=4 branches,
 K=4 critic samples, M=2 endpoint samples, 4 groups per update, on the local backend.
 
-Model: the value-speaking tiny model of the tests (``tests/tempo_toy.py``, trained in a
+Model: the value-speaking tiny model of the tests (``tests/helpers/tempo_toy.py``, trained in a
 few seconds). On these two shared cores SmolLM2-135M-Instruct sampled 8 critic replies of
 96 tokens in 86 s and none held a parsable ``<value>`` tag, so a few minutes of it would
 measure nothing. What this run measures is the machinery: whether the critic's error
@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for the tests' toy model
 
-from tests.tempo_toy import save_value_model  # noqa: E402
+from tests.helpers.tempo_toy import save_value_model  # noqa: E402
 from trainers.plot import plot  # noqa: E402
 from trainers.tempo import Args, train  # noqa: E402
 
@@ -105,7 +105,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "load_average_at_start": round(load, 2),
         "setting": {k: v for k, v in vars(args).items() if k not in ("out", "model", "api_key")},
-        "model": "tests/tempo_toy.py value-speaking tiny model",
+        "model": "tests/helpers/tempo_toy.py value-speaking tiny model",
         "seconds": round(time.perf_counter() - start, 1),
         "summary": summarise(rows, options.window),
         "updates": rows,

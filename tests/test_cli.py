@@ -191,7 +191,7 @@ def test_eval_ends_an_episode_at_a_cut_reply_as_training_does(tmp_path: Path) ->
 
 def test_train_errors_are_one_line_too(tmp_path: Path) -> None:
     """A usage error, and a run directory holding another run, from `agent-gym train`."""
-    from tests import grpo_toy
+    from tests.helpers import grpo_toy
 
     out = tmp_path / "run"
     command = [sys.executable, "-m", "agent_gym.cli", "train", "grpo"]
@@ -200,7 +200,7 @@ def test_train_errors_are_one_line_too(tmp_path: Path) -> None:
                          text=True, timeout=300, env=env)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     assert "invalid choice: 'dpo'" in bad.stderr and not out.exists()
-    first = [*command, "--env-id", f"tests.grpo_toy:{grpo_toy.ENV_ID}", "--model", "tiny",
+    first = [*command, "--env-id", f"tests.helpers.grpo_toy:{grpo_toy.ENV_ID}", "--model", "tiny",
              "--lora-rank", "0", "--steps", "1", "--batch-size", "2", "--group-size", "2",
              "--max-tokens", "4", "--max-trajectory-tokens", "64", "--no-progress",
              "--out", str(out)]

@@ -19,7 +19,7 @@ from agent_gym.policies import (
     _tool_calls_as_text,
     make_policy,
 )
-from tests.openai_server import Behaviour, ChatServer
+from tests.helpers.openai_server import Behaviour, ChatServer
 
 GSM8K = "agent_gym/GSM8K-v0"
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from agent_gym.render import ChatRenderer, Conversation, HistoryRewriteError, TemplateError
-from tests.chat_templates import (
+from tests.helpers.chat_templates import (
     QWEN_TOOLS,
     REWRITES_BEFORE_TOOL,
     STRIPS_REASONING,

@@ -13,7 +13,7 @@ from pytrio import ModelInput
 
 from agent_gym.render import ChatRenderer
 from agent_gym.state import StateMismatchError
-from tests import grpo_toy, tempo_toy
+from tests.helpers import grpo_toy, tempo_toy
 from trainers.backends.local import LocalServiceClient
 from trainers.episode import build_datum
 from trainers.rollout import RolloutConfig, RolloutError, rollout_group, rollout_metrics

@@ -15,8 +15,8 @@ from pytrio.protocol.actor.events.event import EventType
 
 from agent_gym.eval import EvalConfig, evaluate
 from agent_gym.render import ChatRenderer
-from tests import grpo_toy
-from tests.pytrio_double import (
+from tests.helpers import grpo_toy
+from tests.helpers.pytrio_double import (
     MAX_SAMPLES_PER_REQUEST,
     FakePytrioServer,
     FakeServiceClient,

@@ -12,8 +12,8 @@ from pathlib import Path
 import gymnasium
 import pytest
 
-from tests import grpo_toy
-from tests.test_store import resume_point
+from tests.helpers import grpo_toy
+from tests.trainers.test_store import resume_point
 from trainers.backends.local import LocalServiceClient
 from trainers.run import (
     CHECKPOINT_FILE,

@@ -14,7 +14,7 @@ import gymnasium
 import pytest
 
 from agent_gym.render import ChatRenderer
-from tests import tempo_toy
+from tests.helpers import tempo_toy
 from trainers.backends.local import LocalServiceClient
 from trainers.rollout import RolloutConfig, RolloutError, rollout_group
 from trainers.run import EnvPool

@@ -6,7 +6,7 @@ earns 1 and ends the episode; otherwise the user says "no" and the assistant tri
 now and then, which gives GRPO a signal to learn from in a few CPU seconds.
 
 Importing this module registers ``agent_gym_tests/SayDigit-v0``; a subprocess can reach it
-with the env id ``tests.grpo_toy:agent_gym_tests/SayDigit-v0``.
+with the env id ``tests.helpers.grpo_toy:agent_gym_tests/SayDigit-v0``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from agent_gym.data import DataError, bundled
 from agent_gym.envs.search import PROTOCOLS
 from agent_gym.protocols import choose_protocol
 from agent_gym.search import BM25Index, RetrievalServer, bundled_corpus
-from tests.search_fakes import FaultProxy, refused_url
+from tests.helpers.search_fakes import FaultProxy, refused_url
 
 ENV = "agent_gym/Search-v0"
 

@@ -14,8 +14,8 @@ from typing import Any
 import gymnasium
 import pytest
 
-from tests import grpo_toy, tempo_toy
-from tests.test_store import hand_made_episode
+from tests.helpers import grpo_toy, tempo_toy
+from tests.trainers.test_store import hand_made_episode
 from trainers.backends.local import LocalServiceClient
 from trainers.cli import register
 from trainers.critic import CriticSample, critic_rewards
@@ -268,7 +268,7 @@ def test_tempo_through_pytrio_client_code(
     import pytrio.client.training
     from pytrio.protocol.actor.events.event import EventType
 
-    from tests.pytrio_double import FakePytrioServer, FakeServiceClient
+    from tests.helpers.pytrio_double import FakePytrioServer, FakeServiceClient
 
     server = FakePytrioServer({"agent-gym/value-tiny": model}, tmp_path / "remote")
     monkeypatch.setattr(pytrio.client.training, "get_tokenizer", server.tokenizer)

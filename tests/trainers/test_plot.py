@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from matplotlib.figure import Figure
 
-from tests import grpo_toy
+from tests.helpers import grpo_toy
 from trainers.cli import register
 from trainers.grpo import Args, train
 from trainers.plot import draw, main, numeric_metrics, plot

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from tests import grpo_toy
+from tests.helpers import grpo_toy
 from trainers import grpo
 from trainers.cli import register
 from trainers.episode import Episode
 from trainers.grpo import Args, parse_args, train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
     toy_model: str, tmp_path: Path
 ) -> None:
     argv = [
-        "--env-id", f"tests.grpo_toy:{grpo_toy.ENV_ID}", "--model", toy_model, "--lora-rank", "0",
+        "--env-id", f"tests.helpers.grpo_toy:{grpo_toy.ENV_ID}", "--model", toy_model, "--lora-rank", "0",
         "--steps", "24", "--batch-size", "2", "--group-size", "4", "--learning-rate", "1e-2",
         "--max-turns", "2", "--max-tokens", "4", "--max-trajectory-tokens", "64",
         "--save-every", "2", "--no-progress",

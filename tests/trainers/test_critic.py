@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from agent_gym.render import ChatRenderer
-from tests import tempo_toy
+from tests.helpers import tempo_toy
 from trainers.backends.local import LocalServiceClient
 from trainers.critic import (
     HISTORY_TURNS,

@@ -20,7 +20,7 @@ from agent_gym.search import (
     bundled_corpus,
 )
 from agent_gym.search.net import TokenBucket
-from tests.search_fakes import FakeMediaWiki, FaultProxy, refused_url
+from tests.helpers.search_fakes import FakeMediaWiki, FaultProxy, refused_url
 
 FAST = RetryPolicy(max_retries=2, backoff=0.01, max_backoff=0.05)
 QUERIES = ["inventor of the copper crane", "capital of Vellmark", "Zennhaven twinned"]
