@@ -79,7 +79,8 @@ def read_process(pid: int) -> Process | None:
     )
 
 
-def _descendants(root: int) -> Iterator[Process]:
+def descendants(root: int) -> Iterator[Process]:
+    """Every process below ``root`` in the host's process tree."""
     processes = [p for p in map(read_process, _pids()) if p is not None]
     children: dict[int, list[Process]] = {}
     for process in processes:
@@ -111,7 +112,7 @@ def leftover_processes(root: int | None = None) -> list[Process]:
     root = os.getpid() if root is None else root
     own = _own_nursery_namespaces() if root == os.getpid() else set()
     return [
-        p for p in _descendants(root)
+        p for p in descendants(root)
         if p.state != "Z" and p.is_sandbox and not (p.namespace_init and p.pid_ns in own)
     ]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NOBODY, leftover_processes, read_process
+from agent_gym.sandbox import IsolationUnavailableError, open_sandbox
+from tests.conftest import LEFTOVER_GRACE, NOBODY, descendants, leftover_processes, read_process
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="starting uid-65534 processes needs root")
@@ -46,6 +47,26 @@ def test_an_orphaned_uid_65534_process_is_found_by_pid_and_command() -> None:
         os.kill(pid, 9)
         os.waitpid(pid, 0)  # it is this process's child now
     assert pid not in {p.pid for p in leftover_processes()}
+
+
+def test_a_closed_sandbox_leaves_only_its_nursery_which_is_no_leftover() -> None:
+    """The nursery lives as long as this process by design: it must not fail the run."""
+    try:
+        box = open_sandbox("stateful")
+    except IsolationUnavailableError as err:
+        pytest.skip(f"no bwrap here: {err}")
+    try:
+        assert box.run("6 * 7").ok
+        running = leftover_processes()
+        assert any(NOBODY in p.uids for p in running), running  # a live sandbox is found
+    finally:
+        box.close()
+    deadline = time.monotonic() + LEFTOVER_GRACE  # teardown finishes in the background
+    while leftover_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftover_processes() == []
+    nurseries = [p for p in descendants(os.getpid()) if p.namespace_init and p.state != "Z"]
+    assert len(nurseries) == 1 and nurseries[0].ppid == os.getpid()
 
 
 def run_inner_session(tmp_path: Path, test_source: str) -> subprocess.CompletedProcess[str]:

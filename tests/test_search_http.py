@@ -13,6 +13,7 @@ import pytest
 
 from agent_gym.search import (
     BM25Index,
+    Passage,
     RetrievalClient,
     RetrievalServer,
     RetryPolicy,
@@ -84,6 +85,26 @@ def test_server_rejects_bad_requests_clearly(
     assert reply.status_code == 400 and message in reply.json()["error"]
     assert httpx.post(f"{server.url}/nope", content=b"{}").status_code == 404
     assert httpx.get(f"{server.url}/nope").status_code == 404
+
+
+def test_lone_surrogates_cross_the_wire_both_ways() -> None:
+    """JSON tool calls decode "\\ud800" to a lone surrogate, and live backends' JSON can hold
+    one too; UTF-8 cannot, so both directions fall back to JSON's escapes."""
+
+    class Echo:
+        name = "echo"
+
+        def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
+            return [[Passage("1", f"T {q}", f"text {q}")] for q in queries]
+
+        def close(self) -> None:
+            pass
+
+    with RetrievalServer(Echo()) as echo:
+        client = RetrievalClient(echo.url, retry=FAST)
+        assert client.search(["a \ud800", "b"], 1) == [
+            [Passage("1", "T a \ud800", "text a \ud800")], [Passage("1", "T b", "text b")]]
+        client.close()
 
 
 def test_client_rejects_bad_requests_without_retrying(server: RetrievalServer) -> None:
