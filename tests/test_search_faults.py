@@ -23,7 +23,7 @@ from agent_gym.search import (
 )
 from tests.search_fakes import FakeMediaWiki, ScriptedServer
 
-SLACK = 0.3  # scheduling and one loopback round trip beyond the bound
+SLACK = 0.5  # thread wake-ups on a loaded machine, beyond the bound
 QUERY = "copper crane"
 SURROGATE_QUERY = "copper crane \ud800"  # a lone surrogate, as JSON's "\ud800" decodes
 
@@ -123,13 +123,13 @@ def test_a_mediawiki_reply_of_the_wrong_shape_is_a_search_failed_observation(
 
 def test_the_bound_holds_for_the_backends_themselves(scripted: ScriptedServer) -> None:
     """Without the env: the client's own `bound` is the documented figure, and it holds."""
-    policy = RetryPolicy(max_retries=1, backoff=0.01, max_backoff=0.1)
+    policy = RetryPolicy(max_retries=1, backoff=0.01, max_backoff=0.5)
     scripted.fallback = "drip"
     for backend in (
         RetrievalClient(scripted.url, timeout=0.5, retry=policy),
         WikipediaBackend(f"{scripted.url}/w/api.php", timeout=0.5, retry=policy),
     ):
-        assert backend.bound == 2 * 0.5 + 1 * 0.1
+        assert backend.bound == 2 * 0.5 + 1 * 0.5
         start = time.monotonic()
         with pytest.raises(SearchError, match="failed after 2 attempts"):
             backend.search([QUERY], 3)

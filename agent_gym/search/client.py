@@ -65,11 +65,18 @@ class RetrievalClient:
 
 
 def _parse_result(payload: Any, expected: int) -> list[list[Passage]]:
-    """Validate the reply shape; ValueError (JSONDecodeError included) on anything unexpected."""
+    """Validate the decoded reply's shape; ValueError on anything unexpected.
+
+    Errors describe the reply rather than quote it: repr of a deeply nested one overflows.
+    """
     result = payload.get("result") if isinstance(payload, dict) else None
     if not isinstance(result, list) or len(result) != expected:
-        # Describe, not repr: a deeply nested payload would overflow the stack in repr.
-        got = f"{len(result)} entries" if isinstance(result, list) else type(result).__name__
+        if isinstance(result, list):
+            got = f"{len(result)}"
+        elif isinstance(payload, dict):
+            got = "no 'result' list"
+        else:
+            got = f"a JSON {type(payload).__name__}"
         raise ValueError(f"expected {{'result': [...]}} with {expected} lists, got {got}")
     if not all(isinstance(hits, list) for hits in result):
         raise ValueError("each entry of 'result' must be a list of hits")

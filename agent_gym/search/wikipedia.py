@@ -80,10 +80,10 @@ class WikipediaBackend:
             raise _malformed(f"the reply must be an object, got {type(payload).__name__}")
         if "error" in payload:
             raise SearchError(f"MediaWiki API error: {_error_text(payload['error'])}")
-        query = payload.get("query", {})
+        query = payload.get("query") or {}  # absent, or PHP's empty array: no results
         if not isinstance(query, dict):
             raise _malformed(f"'query' must be an object, got {type(query).__name__}")
-        pages = query.get("pages", [])
+        pages = query.get("pages") or []
         if isinstance(pages, dict):  # formatversion=1 shape
             pages = list(pages.values())
         if not isinstance(pages, list):
