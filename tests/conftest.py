@@ -9,11 +9,13 @@ its business -- are searched for sandbox processes (bwrap, pid-namespace inits, 
 running as uid 65534). Processes the run still legitimately holds are not leftovers: the
 pytest process's own nursery, which by design lives exactly as long as pytest does, and
 workers still being torn down (killed sandboxes are reaped in the background), which get a
-grace period to disappear. Leftovers are named, killed, and fail the run.
+grace period to disappear. Like init, the session reaps the orphans it adopts (see
+`reap_adopted_orphans`). Leftovers are named, killed, and fail the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -38,6 +40,7 @@ class Process:
     """What the check needs to know of one process, read from ``/proc``."""
 
     pid: int
+    name: str  # the kernel's command name, kept when the command line is gone (exiting)
     ppid: int
     uids: tuple[int, ...]  # real, effective, saved, filesystem
     state: str
@@ -52,7 +55,8 @@ class Process:
 
     def describe(self) -> str:
         command = self.cmdline if len(self.cmdline) <= 300 else self.cmdline[:300] + "..."
-        return f"pid {self.pid} (uid {self.uids[1]}, parent {self.ppid}): {command!r}"
+        return (f"pid {self.pid} [{self.name}] (uid {self.uids[1]}, parent {self.ppid}, "
+                f"state {self.state}): {command!r}")
 
 
 def read_process(pid: int) -> Process | None:
@@ -65,11 +69,13 @@ def read_process(pid: int) -> Process | None:
         pid_ns = os.readlink(base / "ns" / "pid")
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]  # it may hold spaces and ")"
+    fields = stat[stat.rindex(")") + 2 :].split()
     lines = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     nspids = lines.get("NSpid", "").split()
     return Process(
         pid=pid,
+        name=name,
         ppid=int(fields[1]),
         uids=tuple(int(u) for u in lines["Uid"].split()),
         state=fields[0],
@@ -107,6 +113,24 @@ def _own_nursery_namespaces() -> set[str]:
     return namespaces
 
 
+def reap_adopted_orphans() -> None:
+    """Reap the zombies this process adopted, as subreaper, from other pid namespaces.
+
+    A subreaper stands in for init, and init reaps: a test that kills a harness leaves the
+    harness's sandboxes dead but unreaped, and their nursery, the init of their namespace,
+    cannot finish dying until every process of the namespace is reaped (it would wait in
+    exit, with no command line, for as long as the run lasts). Only zombies of *other*
+    namespaces are reaped: a zombie of this process's own namespaces may belong to a
+    ``Popen`` that will still wait for it.
+    """
+    ours = {os.readlink("/proc/self/ns/pid"), *_own_nursery_namespaces()}
+    for process in map(read_process, _pids()):
+        if (process is not None and process.ppid == os.getpid() and process.state == "Z"
+                and process.pid_ns not in ours):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(process.pid, os.WNOHANG)
+
+
 def leftover_processes(root: int | None = None) -> list[Process]:
     """Live sandbox processes descending from ``root`` (this process), its nursery aside."""
     root = os.getpid() if root is None else root
@@ -128,9 +152,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not sys.platform.startswith("linux"):
         return
     deadline = time.monotonic() + LEFTOVER_GRACE
+    reap_adopted_orphans()
     left = leftover_processes()
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
+        reap_adopted_orphans()
         left = leftover_processes()
     if not left:
         return
