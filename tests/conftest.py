@@ -142,6 +142,7 @@ def leftover_processes(root: int | None = None) -> list[Process]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Become the child subreaper, before any test starts a process (see the module doc)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -149,6 +150,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run, naming them, if sandbox processes outlive the grace period."""
     if not sys.platform.startswith("linux"):
         return
     deadline = time.monotonic() + LEFTOVER_GRACE

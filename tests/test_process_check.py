@@ -115,3 +115,31 @@ def test_processes_of_other_runs_are_not_this_runs_leftovers(tmp_path: Path) -> 
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_a_killed_harness_leaves_nothing_once_the_run_reaps_what_it_adopted(
+    tmp_path: Path,
+) -> None:
+    """A harness killed mid-episode orphans its sandboxes to the session, whose nursery can
+    finish dying only once they are reaped: the run must reap them, and then pass."""
+    try:
+        open_sandbox("stateless").close()
+    except IsolationUnavailableError as err:
+        pytest.skip(f"no bwrap here: {err}")
+    inner = run_inner_session(tmp_path, (
+        "import subprocess, sys\n"
+        "HARNESS = ('from agent_gym.sandbox import open_sandbox\\n'\n"
+        "           'box = open_sandbox(\"stateful\")\\n'\n"
+        "           'assert box.run(\"1\").ok\\n'\n"
+        "           'print(\"ready\", flush=True)\\n'\n"
+        "           'import time; time.sleep(600)\\n')\n"
+        "def test_kills_its_harness():\n"
+        "    harness = subprocess.Popen([sys.executable, '-c', HARNESS], stdout=subprocess.PIPE,\n"
+        "                               text=True)\n"
+        "    assert harness.stdout.readline().strip() == 'ready'\n"
+        "    harness.kill()\n"
+        "    harness.wait()\n"
+    ))
+    assert inner.returncode == 0, inner.stdout[-3000:]
+    assert "left behind" not in inner.stdout
+
