@@ -15,12 +15,15 @@ that sends its headers and then a byte at a time held one step for 12 s with ``t
 here the deadlines are enforced by cancellation instead. Requests therefore run on httpx's
 async client, on one event-loop thread per process (`BoundedClient`): a deadline cancels an
 attempt wherever it is blocked and closes its connection, while the synchronous
-``search()`` caller waits for the outcome.
+``search()`` caller waits for the outcome -- and stops waiting one second past the bound
+even if that loop is stalled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import math
 import os
 import random
@@ -35,6 +38,7 @@ import httpx
 from agent_gym.search.passages import SearchError
 
 RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+_LOOP_GRACE = 1.0  # seconds the caller waits beyond the bound for the I/O loop to report
 
 
 @dataclass(frozen=True)
@@ -149,8 +153,16 @@ class BoundedClient:
         deeply is not retried: a broken server does not heal by asking again. Raises
         `SearchError` naming the service, the attempts and the last failure.
         """
-        request = self._fetch(method, url, transient, pace, kwargs)
-        return asyncio.run_coroutine_threadsafe(request, _io_loop()).result()
+        future = asyncio.run_coroutine_threadsafe(
+            self._fetch(method, url, transient, pace, kwargs), _io_loop()
+        )
+        try:  # the loop enforces the bound; this wait holds even if the loop cannot run
+            return future.result(timeout=self.bound + _LOOP_GRACE)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise SearchError(
+                f"{self.what} gave no answer within the bound of {self.bound:g} s"
+            ) from None
 
     async def _fetch(
         self,
@@ -218,7 +230,9 @@ class BoundedClient:
             ) from None
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._client.aclose(), _io_loop()).result()
+        closing = asyncio.run_coroutine_threadsafe(self._client.aclose(), _io_loop())
+        with contextlib.suppress(concurrent.futures.TimeoutError):  # never hang an exit
+            closing.result(timeout=_LOOP_GRACE)
 
 
 class TokenBucket:
