@@ -115,7 +115,9 @@ def test_a_mediawiki_reply_of_the_wrong_shape_is_a_search_failed_observation(
 ) -> None:
     scripted.fallback = fault
     env = make_env("wikipedia", scripted.url, cache="off", timeout=1.0, max_retries=1)
+    start = time.monotonic()
     observation, *_ = env.step(search_call(QUERY))
+    assert time.monotonic() - start <= step_bound(1.0, 1) + SLACK
     assert observation.startswith("Search failed:") and reason in observation, observation
     assert len(scripted.requests) == 1  # a reply of the wrong shape is not retried
     env.close()
