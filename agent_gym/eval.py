@@ -161,7 +161,7 @@ class RunLog:
                     f"{out_dir} holds a run of {previous}; this is {config}. "
                     "Use another --out directory."
                 )
-        config_path.write_text(json.dumps(asdict(config), indent=2), encoding="utf-8")
+        _write_atomically(config_path, json.dumps(asdict(config), indent=2))
         self.episodes_path = out_dir / EPISODES_FILE
         self.records = self._recover(self.episodes_path)
         self._errors_path = out_dir / ERRORS_FILE
@@ -207,6 +207,28 @@ def _append_durably(path: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(record, ensure_ascii=True) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a kill at any moment leaves the old or the new file.
+
+    Writing in place truncates first: a run killed mid-write kept an empty ``config.json``
+    and every later resume crashed on it. The text goes to a sibling temporary file, is
+    synced, and is renamed over ``path`` (atomic on POSIX); the directory is synced so the
+    rename survives a power cut too. One writer per run directory, so the temporary name is
+    fixed: the next write replaces what a killed one left behind.
+    """
+    temporary = path.with_name(f".{path.name}.tmp")
+    with temporary.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 async def play_episode(
@@ -320,5 +342,5 @@ async def evaluate(
         bar.close()
     finished = [log.records[i] for i in sorted(log.records) if i < config.episodes]
     summary = summarize(config, finished, log.errors, log.first_error)
-    (out_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2), encoding="utf-8")
+    _write_atomically(out_dir / "summary.json", json.dumps(asdict(summary), indent=2))
     return summary

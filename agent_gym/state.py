@@ -88,8 +88,9 @@ class EnvState:
     def from_dict(cls, payload: Any) -> EnvState:
         if not isinstance(payload, dict):
             raise StateError(f"saved state must be a JSON object, got {type(payload).__name__}")
+        # JSON `true` arrives as a bool, and bool is an int subclass equal to 1: test the type.
         version = payload.get("version")
-        if version != STATE_FORMAT_VERSION:
+        if type(version) is not int or version != STATE_FORMAT_VERSION:
             raise StateError(
                 f"saved state has format version {version!r}; this agent_gym reads version "
                 f"{STATE_FORMAT_VERSION}"
@@ -100,7 +101,7 @@ class EnvState:
             if not isinstance(payload.get(key), kind):
                 raise StateError(f"saved state field {key!r} is missing or not a {kind.__name__}")
         seed = payload.get("seed")
-        if seed is not None and not isinstance(seed, int):
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise StateError("saved state field 'seed' must be an integer or null")
         if not all(isinstance(a, str) for a in payload["actions"]):
             raise StateError("saved state field 'actions' must hold strings only")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,8 @@ import jsonschema
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _FUNCTION_RE = re.compile(r"<function=([^>\n]*)>(.*?)</function>", re.DOTALL)
-_PARAMETER_RE = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+_PARAMETER_OPEN = "<parameter="
+_PARAMETER_CLOSE = "</parameter>"
 # Chat-template control tokens a tool could echo back to forge a turn boundary.
 _SPECIAL_TOKEN_RE = re.compile(
     r"<\|[A-Za-z0-9_.:\-]{1,48}\|>"
@@ -184,12 +185,7 @@ def _require_at_end(text: str, end: int) -> None:
 
 
 def _parse_json_call(body: str, by_name: Mapping[str, ToolSpec]) -> ToolCall:
-    try:
-        payload = json.loads(body)
-    except json.JSONDecodeError as err:
-        raise ToolCallError(f"the tool call is not valid JSON ({err})") from err
-    except RecursionError as err:  # a model stuck repeating "[" nests past Python's stack
-        raise ToolCallError("the tool call's JSON is nested too deeply") from err
+    payload = _strict_json(body, "the tool call is not valid JSON")
     if not isinstance(payload, dict):
         raise ToolCallError('the tool call must be a JSON object {"name": ..., "arguments": {...}}')
     extra = set(payload) - {"name", "arguments"}
@@ -205,6 +201,31 @@ def _parse_json_call(body: str, by_name: Mapping[str, ToolSpec]) -> ToolCall:
     return ToolCall(name, arguments)
 
 
+def _strict_json(text: str, invalid: str) -> Any:
+    """``json.loads`` that refuses a key given twice in one object; ``invalid`` starts the
+    refusal of text that is not JSON.
+
+    Plain ``json.loads`` keeps the last duplicate silently, so ``{"query": "a", "query":
+    "b"}`` would run a search the model may not have meant; the XML form already refuses a
+    repeated parameter, and both forms are held to the same rule.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as err:
+        raise ToolCallError(f"{invalid} ({err})") from err
+    except RecursionError as err:  # a model stuck repeating "[" nests past Python's stack
+        raise ToolCallError(f"{invalid} (it is nested too deeply)") from err
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ToolCallError(f"key {key!r} is given twice in the tool call's JSON")
+        result[key] = value
+    return result
+
+
 def _parse_xml_call(body: str, by_name: Mapping[str, ToolSpec]) -> ToolCall:
     match = _FUNCTION_RE.fullmatch(body)
     if match is None:
@@ -214,20 +235,45 @@ def _parse_xml_call(body: str, by_name: Mapping[str, ToolSpec]) -> ToolCall:
     name = match.group(1).strip()
     _require_known(name, by_name)
     properties = by_name[name].parameters.get("properties", {})
-    inner = match.group(2)
     arguments: dict[str, Any] = {}
-    for param in _PARAMETER_RE.finditer(inner):
-        key = param.group(1).strip()
+    for key, raw in _xml_parameters(name, match.group(2)):
         if key in arguments:
             raise ToolCallError(f"parameter {key!r} of {name} is given twice")
-        arguments[key] = _xml_value(name, key, param.group(2), properties.get(key, {}))
-    leftover = _PARAMETER_RE.sub("", inner).strip()
-    if leftover:
-        raise ToolCallError(
-            f"unexpected text inside <function={name}>: {leftover[:60]!r}; "
-            "put every argument in <parameter=NAME>...</parameter>"
-        )
+        arguments[key] = _xml_value(name, key, raw, properties.get(key, {}))
     return ToolCall(name, arguments)
+
+
+def _xml_parameters(tool: str, inner: str) -> Iterator[tuple[str, str]]:
+    """The ``(name, raw value)`` of each ``<parameter=NAME>value</parameter>`` in ``inner``.
+
+    One left-to-right scan with ``str.find``, stopping at the first problem: a lazy regex
+    rescanned the rest of the call from every unclosed ``<parameter=`` (quadratic; 52 KB
+    took seconds). Only whitespace may separate parameters.
+    """
+    pos = 0
+    while True:
+        opening = inner.find(_PARAMETER_OPEN, pos)
+        between = inner[pos:] if opening < 0 else inner[pos:opening]
+        if between.strip():
+            raise ToolCallError(
+                f"unexpected text inside <function={tool}>: {between.strip()[:60]!r}; "
+                "put every argument in <parameter=NAME>...</parameter>"
+            )
+        if opening < 0:
+            return
+        name_end = inner.find(">", opening)
+        key = inner[opening + len(_PARAMETER_OPEN) : name_end]
+        if name_end < 0 or "\n" in key:
+            raise ToolCallError(
+                f"malformed parameter in <function={tool}>: write <parameter=NAME> on one line"
+            )
+        closing = inner.find(_PARAMETER_CLOSE, name_end)
+        if closing < 0:
+            raise ToolCallError(
+                f"<parameter={key.strip()[:60]}> of {tool} is not closed by '{_PARAMETER_CLOSE}'"
+            )
+        yield key.strip(), inner[name_end + 1 : closing]
+        pos = closing + len(_PARAMETER_CLOSE)
 
 
 def _xml_value(tool: str, key: str, raw: str, schema: Mapping[str, Any]) -> Any:
@@ -235,12 +281,8 @@ def _xml_value(tool: str, key: str, raw: str, schema: Mapping[str, Any]) -> Any:
     value = raw.removeprefix("\n").removesuffix("\n")
     if schema.get("type", "string") == "string":
         return value
-    try:
-        return json.loads(value)
-    except (json.JSONDecodeError, RecursionError) as err:
-        raise ToolCallError(
-            f"parameter {key!r} of {tool} must be JSON of type {schema.get('type')}: {err}"
-        ) from err
+    invalid = f"parameter {key!r} of {tool} must be JSON of type {schema.get('type')}"
+    return _strict_json(value, invalid)
 
 
 def _require_known(name: str, by_name: Mapping[str, ToolSpec]) -> None:

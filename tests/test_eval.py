@@ -204,3 +204,28 @@ def test_random_policy_choices_do_not_depend_on_scheduling() -> None:
         asyncio.run(policy.act(PolicyInput([chat[0], {"role": "user", "content": "B"}], [], 0,
                                            info={"admissible_actions": list("xyz")})))
         assert asyncio.run(policy.act(observation)).text == first
+
+
+def test_a_kill_while_config_json_is_rewritten_keeps_the_run_resumable(tmp_path: Path) -> None:
+    """A resume rewrites config.json; a process killed mid-write must not leave it broken."""
+    config = EvalConfig(GSM8K, "oracle", episodes=2, seed=4)
+    asyncio.run(evaluate(config, OraclePolicy(), tmp_path, progress=False))
+    before = (tmp_path / "config.json").read_bytes()
+    # The child dies of SIGXFSZ at its first write past 16 bytes: a kill in mid-write.
+    child = subprocess.run(
+        [sys.executable, "-c", (
+            "import resource, signal, sys\n"
+            "from pathlib import Path\n"
+            "from agent_gym.eval import EvalConfig, RunLog\n"
+            "config = EvalConfig('agent_gym/GSM8K-v0', 'oracle', episodes=3, seed=4)\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))\n"
+            "RunLog(Path(sys.argv[1]), config)\n"
+        ), str(tmp_path)],
+        capture_output=True, timeout=120,
+    )
+    assert child.returncode == -signal.SIGXFSZ, child.stderr.decode()[-2000:]
+    assert (tmp_path / "config.json").read_bytes() == before
+    summary = asyncio.run(evaluate(EvalConfig(GSM8K, "oracle", episodes=3, seed=4),
+                                   OraclePolicy(), tmp_path, progress=False))
+    assert summary.episodes == 3

@@ -42,6 +42,16 @@ def test_unknown_version_and_bad_fields_are_rejected() -> None:
         EnvState.from_dict({**payload, "surprise": 1})
 
 
+def test_booleans_are_neither_versions_nor_seeds() -> None:
+    """JSON ``true`` is a Python bool, and ``bool`` is an ``int``: it must not pass as 1."""
+    payload = json.loads(_played_env().unwrapped.save_state().to_json())
+    with pytest.raises(StateError, match="format version True"):
+        EnvState.from_dict({**payload, "version": True})
+    with pytest.raises(StateError, match="'seed'"):
+        EnvState.from_dict({**payload, "seed": True})
+    assert EnvState.from_dict({**payload, "seed": 3}).seed == 3
+
+
 def test_state_of_another_env_id_or_configuration_is_refused() -> None:
     state = _played_env().unwrapped.save_state()
     other = EnvState.from_dict({**json.loads(state.to_json()), "env_id": "agent_gym/Other-v0"})

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from agent_gym.tools import (
@@ -69,6 +71,31 @@ def test_no_call_is_none_and_a_call_without_arguments_is_fine() -> None:
 def test_refusals_say_why(text: str, reason: str) -> None:
     with pytest.raises(ToolCallError, match=reason):
         parse_tool_call(text, TOOLS)
+
+
+def test_unclosed_parameters_parse_in_linear_time() -> None:
+    """Each unclosed ``<parameter=`` used to rescan the rest of the call: 52 KB took 2.8-5.7 s."""
+    for filler in ("<parameter=query>", "<parameter=", "<parameter=query>a</parameter"):
+        text = "<function=search>" + filler * (100_000 // len(filler)) + "</function>"
+        start = time.perf_counter()
+        with pytest.raises(ToolCallError):
+            parse_tool_call(text, TOOLS)
+        assert time.perf_counter() - start < 0.5, filler
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"name": "search", "arguments": {"query": "a", "query": "b"}}',
+        '{"name": "finish", "name": "search", "arguments": {"query": "a"}}',
+    ],
+)
+def test_duplicate_json_keys_are_refused_like_repeated_xml_parameters(body: str) -> None:
+    with pytest.raises(ToolCallError, match="given twice"):
+        parse_tool_call(f"<tool_call>{body}</tool_call>", TOOLS)
+    xml = "<function=search><parameter=query>a</parameter><parameter=query>b</parameter></function>"
+    with pytest.raises(ToolCallError, match="given twice"):
+        parse_tool_call(xml, TOOLS)
 
 
 def test_tag_protocol_is_strict() -> None:

@@ -40,7 +40,9 @@ PROMPT = (
 # FlashRAG's copies of NQ and HotpotQA, the data Search-R1 trains and evaluates on.
 HUB_SETS = {"nq": ("nq", "test"), "hotpotqa": ("hotpotqa", "dev")}
 HUB_NAME = "RUC-NLPIR/FlashRAG_datasets"
-_ANSWER_LINE = re.compile(r"^[ \t*#]*(?:final\s+)?answer\s*:\s*(.*?)\s*$", re.I | re.M)
+# Greedy to the end of the line, stripped afterwards: a lazy group followed by \s*$ rescans
+# the rest of the line from every position (quadratic on a line of spaces).
+_ANSWER_LINE = re.compile(r"^[ \t*#]*(?:final[ \t]+)?answer[ \t]*:(.*)$", re.I | re.M)
 MAX_QUERY_CHARS = 500
 
 

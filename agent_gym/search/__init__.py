@@ -63,7 +63,12 @@ def open_backend(
 ) -> SearchBackend:
     """Build a backend: `bm25` over `index_dir`, or over `corpus` (default: the bundled one)
     indexed lazily under `cache_root()`; `http` against a `/retrieve` server at `url`;
-    `wikipedia` against the MediaWiki API at `url` (default: English Wikipedia)."""
+    `wikipedia` against the MediaWiki API at `url` (default: English Wikipedia).
+
+    For the remote backends `timeout` cuts each attempt (connect to last byte) and
+    `max_retries` counts retries; one query then returns or raises `SearchError` within
+    ``(max_retries + 1) * timeout + max_retries * 8`` seconds (`RetryPolicy.bound`; 8 s is
+    the longest wait between attempts), 64 s with the Search env's defaults."""
     retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
     if kind == "bm25":
         if index_dir is not None:

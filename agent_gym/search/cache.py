@@ -52,7 +52,8 @@ class ResponseCache:
             if self._db is None:
                 return None
             row = self._db.execute(
-                "SELECT passages FROM responses WHERE backend=? AND query=? AND topk=?", key
+                "SELECT passages FROM responses WHERE backend=? AND query=? AND topk=?",
+                _sql_key(key),
             ).fetchone()
             if row is None:
                 return None
@@ -65,10 +66,7 @@ class ResponseCache:
             self._remember(entries)
             if self._db is None or not entries:
                 return
-            rows = [
-                (*key, json.dumps([p.to_json() for p in passages], ensure_ascii=False))
-                for key, passages in entries.items()
-            ]
+            rows = [(*_sql_key(key), _sql_passages(passages)) for key, passages in entries.items()]
             self._db.executemany("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?)", rows)
             self._db.commit()
 
@@ -90,6 +88,29 @@ class ResponseCache:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+
+
+def _sql_key(key: Key) -> tuple[str | bytes, str | bytes, int]:
+    return _sql_text(key[0]), _sql_text(key[1]), key[2]
+
+
+def _sql_text(text: str) -> str | bytes:
+    """``text`` as SQLite can bind it: itself, or, when it holds a lone surrogate (``"\\ud800"``
+    in a model's JSON tool call decodes to one, and UTF-8 cannot encode it), its
+    ``surrogatepass`` bytes as a BLOB. A BLOB never equals a TEXT value, so such a key
+    cannot collide with any other, and files written before keep their keys."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass")
+    return text
+
+
+def _sql_passages(passages: list[Passage]) -> str:
+    """The passages as JSON text; ASCII escapes only when a lone surrogate forces them."""
+    records = [p.to_json() for p in passages]
+    text = json.dumps(records, ensure_ascii=False)
+    return text if isinstance(_sql_text(text), str) else json.dumps(records)
 
 
 class CachedBackend:

@@ -7,17 +7,21 @@ reply: `{"result": [[{"document": {"id", "contents"}, "score"}]]}`, one list per
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
-import httpx
-
-from agent_gym.search.net import RetryPolicy, send_with_retries
+from agent_gym.search.net import BoundedClient, RetryPolicy
 from agent_gym.search.passages import Passage, SearchError, check_batch
 
 
 class RetrievalClient:
-    """A pooled, retrying HTTP client; one instance per process is enough (it is thread-safe)."""
+    """A pooled, retrying HTTP client; one instance per process is enough (it is thread-safe).
+
+    Each POST returns or raises `SearchError` within `bound` seconds (see
+    `agent_gym.search.net`). Queries travel as ASCII JSON, where a lone surrogate such as
+    ``\\ud800`` (which JSON tool calls can carry) is an escape rather than unencodable UTF-8.
+    """
 
     def __init__(
         self,
@@ -32,14 +36,10 @@ class RetrievalClient:
             raise ValueError(f"retrieval server URL must start with http:// or https://: {url!r}")
         self.url = url.rstrip("/")
         self.name = f"http:{self.url}"
-        self.retry = retry or RetryPolicy()
         self.max_batch = max_batch
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-        )
+        self._http = BoundedClient(f"retrieval server {self.url}", timeout=timeout,
+                                   retry=retry or RetryPolicy(), max_connections=max_connections)
+        self.bound = self._http.bound
 
     def search(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
         """One POST per `max_batch` queries; raises `SearchError` once retries are exhausted."""
@@ -50,25 +50,34 @@ class RetrievalClient:
         return results
 
     def _post(self, queries: list[str], topk: int) -> list[list[Passage]]:
-        response = send_with_retries(
-            self._client, "POST", f"{self.url}/retrieve", self.retry,
-            f"retrieval server {self.url}",
-            json={"queries": queries, "topk": topk, "return_scores": True},
+        body = json.dumps({"queries": queries, "topk": topk, "return_scores": True})
+        payload = self._http.fetch_json(
+            "POST", f"{self.url}/retrieve", content=body.encode("ascii"),
+            headers={"content-type": "application/json"},
         )
         try:
-            return _parse_result(response.json(), len(queries))
+            return _parse_result(payload, len(queries))
         except ValueError as exc:
-            raise SearchError(f"retrieval server {self.url} sent a bad reply: {exc}") from None
+            raise SearchError(f"{self._http.what} sent a malformed reply: {exc}") from None
 
     def close(self) -> None:
-        self._client.close()
+        self._http.close()
 
 
 def _parse_result(payload: Any, expected: int) -> list[list[Passage]]:
-    """Validate the reply shape; ValueError (JSONDecodeError included) on anything unexpected."""
+    """Validate the decoded reply's shape; ValueError on anything unexpected.
+
+    Errors describe the reply rather than quote it: repr of a deeply nested one overflows.
+    """
     result = payload.get("result") if isinstance(payload, dict) else None
     if not isinstance(result, list) or len(result) != expected:
-        raise ValueError(f"expected {{'result': [...]}} with {expected} lists: {payload!r:.200}")
+        if isinstance(result, list):
+            got = f"{len(result)}"
+        elif isinstance(payload, dict):
+            got = "no 'result' list"
+        else:
+            got = f"a JSON {type(payload).__name__}"
+        raise ValueError(f"expected {{'result': [...]}} with {expected} lists, got {got}")
     if not all(isinstance(hits, list) for hits in result):
         raise ValueError("each entry of 'result' must be a list of hits")
     return [[Passage.from_wire(hit) for hit in hits] for hits in result]

@@ -67,13 +67,18 @@ class Passage:
     @classmethod
     def from_wire(cls, hit: Any) -> Passage:
         """Parse one hit of a `/retrieve` reply, with or without scores."""
+        # Errors name types, never repr the reply: a deeply nested one overflows repr's stack.
         doc = hit.get("document", hit) if isinstance(hit, dict) else None
         if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
-            raise ValueError(f"a hit needs a document with string contents, got {hit!r:.200}")
-        score = hit.get("score", 0.0)
-        if not isinstance(score, int | float):
-            raise ValueError(f"a hit's score must be a number, got {score!r:.50}")
-        return cls.from_contents(str(doc.get("id", "")), doc["contents"], float(score))
+            raise ValueError(f"a hit needs a document with string contents, got "
+                             f"{type(hit).__name__}")
+        pid, score = doc.get("id", ""), hit.get("score", 0.0)
+        if isinstance(pid, bool) or not isinstance(pid, str | int):
+            raise ValueError(f"a document id must be a string or an integer, got "
+                             f"{type(pid).__name__}")
+        if isinstance(score, bool) or not isinstance(score, int | float):
+            raise ValueError(f"a hit's score must be a number, got {type(score).__name__}")
+        return cls.from_contents(str(pid), doc["contents"], float(score))
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "title": self.title, "text": self.text, "score": self.score}

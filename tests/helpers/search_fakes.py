@@ -154,3 +154,54 @@ class FakeMediaWiki(_Stub):
         pages = [{"pageid": pid, "ns": 0, "title": title, "index": rank + 1, "extract": text}
                  for rank, (_, pid, title, text) in enumerate(ranked)]
         return {"batchcomplete": True, "query": {"pages": list(reversed(pages))}}
+
+
+# Raw replies of `ScriptedServer`: (status, extra headers, body).
+BAD_REPLIES: dict[str, tuple[int, dict[str, str], bytes]] = {
+    "retry-after-nan": (429, {"retry-after": "nan"}, b'{"error": "slow down"}'),
+    "bad-gzip": (200, {"content-encoding": "gzip"}, b"\x1f\x8b\x08\x00 not a gzip stream"),
+    "deep-json": (200, {}, b"[" * 100_000 + b"]" * 100_000),
+    "wiki-query-list": (200, {}, b'{"batchcomplete": true, "query": [{"pages": []}]}'),
+    "wiki-pages-text": (200, {}, b'{"query": {"pages": "none"}}'),
+    "wiki-title-number": (200, {}, b'{"query": {"pages": [{"pageid": 1, "title": 7}]}}'),
+}
+# What "drip" finally sends, a byte at a time: a valid empty answer for either protocol.
+DRIPPED = b" " * 100 + b'{"result": [[]]}'
+
+
+class _ScriptedHandler(_Quiet):
+    def do_GET(self) -> None:
+        stub: ScriptedServer = self.server.stub  # type: ignore[attr-defined]
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        fault = stub.next_fault()
+        if fault != "drip":
+            status, headers, body = BAD_REPLIES[fault]
+            self.send(status, body, headers)
+            return
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(DRIPPED)))
+        self.end_headers()
+        for byte in DRIPPED:  # ~6 s in all, each byte well inside any read timeout
+            if stub.stopped.wait(stub.drip_interval):
+                return
+            self.wfile.write(bytes([byte]))
+            self.wfile.flush()
+
+    do_POST = do_GET
+
+
+class ScriptedServer(_Stub):
+    """Answers every GET and POST with the next queued fault (else `fallback`): one of
+    `BAD_REPLIES`, or "drip": headers at once, then the body one byte per `drip_interval`."""
+
+    handler = _ScriptedHandler
+
+    def __init__(self, drip_interval: float = 0.05) -> None:
+        self.drip_interval = drip_interval
+        self.stopped = threading.Event()
+        super().__init__()
+
+    def close(self) -> None:
+        self.stopped.set()
+        super().close()

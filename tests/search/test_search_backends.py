@@ -163,6 +163,22 @@ def test_cache_serves_hits_batches_misses_and_persists(
     assert len(calls) == 3 and len(reopened.cache) == 4
 
 
+def test_sqlite_cache_keeps_lone_surrogates_apart_and_persists_them(tmp_path: Path) -> None:
+    """A JSON tool call can carry "\\ud800", which UTF-8 (and so SQLite TEXT) cannot hold."""
+    path = tmp_path / "responses.sqlite"
+    odd = [Passage("1", "T\udfff", "text \ud800", 1.5)]
+    plain = [Passage("2", "T", "plain")]
+    entries = {("b", "q \ud800", 1): odd, ("b", "q \\ud800", 1): plain}  # lone vs its escape
+    cache = ResponseCache(path)
+    cache.put_many(entries)
+    cache.close()
+    reopened = ResponseCache(path)  # nothing served from memory
+    assert reopened.get(("b", "q \ud800", 1)) == odd
+    assert reopened.get(("b", "q \\ud800", 1)) == plain
+    assert reopened.get(("b", "q \udc00", 1)) is None and len(reopened) == 2
+    reopened.close()
+
+
 def test_cache_memory_layer_is_bounded(small_index: BM25Index) -> None:
     cache = ResponseCache(max_memory=2)
     backend = CachedBackend(small_index, cache)

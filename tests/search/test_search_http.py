@@ -3,6 +3,7 @@ Wikipedia backend against a fake MediaWiki API."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ import pytest
 
 from agent_gym.search import (
     BM25Index,
+    Passage,
     RetrievalClient,
     RetrievalServer,
     RetryPolicy,
@@ -85,6 +87,26 @@ def test_server_rejects_bad_requests_clearly(
     assert httpx.get(f"{server.url}/nope").status_code == 404
 
 
+def test_lone_surrogates_cross_the_wire_both_ways() -> None:
+    """JSON tool calls decode "\\ud800" to a lone surrogate, and live backends' JSON can hold
+    one too; UTF-8 cannot, so both directions fall back to JSON's escapes."""
+
+    class Echo:
+        name = "echo"
+
+        def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
+            return [[Passage("1", f"T {q}", f"text {q}")] for q in queries]
+
+        def close(self) -> None:
+            pass
+
+    with RetrievalServer(Echo()) as echo:
+        client = RetrievalClient(echo.url, retry=FAST)
+        assert client.search(["a \ud800", "b"], 1) == [
+            [Passage("1", "T a \ud800", "text a \ud800")], [Passage("1", "T b", "text b")]]
+        client.close()
+
+
 def test_client_rejects_bad_requests_without_retrying(server: RetrievalServer) -> None:
     client = RetrievalClient(server.url, retry=FAST)
     with pytest.raises(ValueError, match="topk"):
@@ -131,7 +153,7 @@ def test_persistent_faults_give_up_after_bounded_retries(proxy: FaultProxy, faul
 def test_malformed_replies_fail_at_once(proxy: FaultProxy, fault: str) -> None:
     proxy.fallback = fault
     client = RetrievalClient(proxy.url, retry=FAST)
-    with pytest.raises(SearchError, match="bad reply"):
+    with pytest.raises(SearchError, match="malformed reply"):
         client.search(QUERIES, 3)
     assert len(proxy.requests) == 1  # a broken server does not heal by asking again
     client.close()
@@ -156,10 +178,10 @@ def test_retry_policy_bounds_and_honours_retry_after() -> None:
 
 def test_token_bucket_paces_calls() -> None:
     bucket = TokenBucket(rate=50.0, burst=2)
-    start = time.monotonic()
-    for _ in range(7):
-        bucket.acquire()
-    assert time.monotonic() - start >= 5 / 50.0 * 0.9  # 2 free, then 5 paced at 50/s
+    waits = [bucket.reserve() for _ in range(7)]  # taken at once: 2 free, then 5 paced at 50/s
+    assert waits[:2] == [0.0, 0.0]
+    assert all(0.0 < w < v for w, v in itertools.pairwise(waits[2:]))
+    assert 0.9 * 5 / 50.0 <= waits[-1] <= 5 / 50.0
     with pytest.raises(ValueError):
         TokenBucket(rate=0)
 
