@@ -12,6 +12,10 @@ the configuration, then one ``{"code": str}`` per cell. Worker to host: text lin
 which the host points at capped in-memory files. A single-use worker exits after its one
 cell; a persistent one keeps its globals between cells. Startup imports are kept to the
 minimum because they are paid on every stateless call.
+
+With ``"forkserver": true`` in the configuration the program is instead a fork-server (see
+``_serve``): it imports the math stack once, then forks one fully isolated child per request
+received on a third fd, a unix socket.
 """
 
 import _ast
@@ -183,9 +187,299 @@ def _run_cell(code: str, namespace: dict, index: int) -> tuple[str, str]:
     return "ok", ""
 
 
+# ---------------------------------------------------------------- the fork-server
+# It runs in a bwrap sandbox of its own (uid 65534, no network, read-only file system, no
+# writable directory at all) that keeps CAP_SYS_ADMIN inside that sandbox's user namespace,
+# and nothing outside it. Model code never runs in the server: each request forks a child
+# that builds a sandbox of its own, drops every capability and only then reads its code.
+_NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 1, 24, 38, 47
+_PR_CAP_AMBIENT_CLEAR_ALL, _CAPABILITY_VERSION_3, _SIGKILL = 4, 0x20080522, 9
+_MAX_STATUS = 512
+
+
+class _Kernel:
+    """The libc calls the fork-server makes (``ctypes`` is imported in this mode only)."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.ctypes = ctypes
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            self.last_cap = int(f.read())
+
+    def check(self, result: int, what: str) -> None:
+        if result != 0:
+            errno = self.ctypes.get_errno()
+            raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+    def drop_capabilities(self) -> None:
+        """Empty every capability set, the bounding set included, and forbid regaining any."""
+        ctypes, libc = self.ctypes, self.libc
+        for cap in range(self.last_cap + 1):
+            self.check(libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), "drop bounding set")
+        self.check(libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "ambient")
+        header = (ctypes.c_uint32 * 2)(_CAPABILITY_VERSION_3, 0)
+        data = (ctypes.c_uint32 * 6)()
+        self.check(libc.capset(header, data), "capset")
+        self.check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _isolate(kernel: _Kernel, config: dict) -> None:
+    """Give a freshly forked child the isolation a fresh bwrap sandbox would have.
+
+    The child is already pid 1 of a pid namespace of its own (the server unshared it before
+    forking), so it sees no other call and not the server, and its death takes every
+    process it started with it. Here it gets private mount, IPC and network namespaces
+    (its own empty size-capped ``/tmp`` and ``/dev/shm``, which vanish with it; no SysV or
+    POSIX IPC objects and no sockets, abstract ones included, shared with anything), a
+    ``/proc`` of its own pid namespace, and then a user namespace of its own: its processes
+    are counted there, so ``RLIMIT_NPROC`` caps this call alone (a fork bomb cannot starve a
+    neighbouring call or the server), and ``max_user_namespaces`` is set to 0 inside it so
+    model code cannot create namespaces (what bwrap's ``--disable-userns`` does). Its
+    namespaces other than the user one belong to the server's user namespace, where the
+    child keeps no capability; it drops every capability it has in its own one too.
+    """
+    libc, check = kernel.libc, kernel.check
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "pdeathsig")
+    check(libc.unshare(_NEWNS | _NEWIPC | _NEWNET), "unshare")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+    tmpfs = f"size={config['tmp_bytes']},mode=0755".encode()
+    for target in (b"/tmp", b"/dev/shm"):
+        check(libc.mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs), "tmpfs")
+    proc_flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    check(libc.mount(b"proc", b"/proc", b"proc", proc_flags, None), "mount /proc")
+    check(libc.unshare(_NEWUSER), "unshare user")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    _write("/proc/sys/user/max_user_namespaces", "0")
+    kernel.drop_capabilities()
+    os.chdir("/tmp")  # the new tmpfs, not the server's read-only directory beneath it
+
+
+def _child_limits(config: dict, baseline: int) -> None:
+    """The limits of one call. The address-space cap comes on top of the warm interpreter's
+    own mappings (``baseline``), so the code gets ``memory_bytes`` for itself; CPU time
+    starts at zero in a forked child. Soft and hard CPU limits are equal: as pid 1 of its
+    namespace the child ignores ``SIGXCPU``, and the server reports the ``SIGKILL`` at the
+    hard limit as the CPU limit."""
+    cpu = config["cpu_seconds"]
+    pairs = (
+        (resource.RLIMIT_AS, baseline + config["memory_bytes"]),
+        (resource.RLIMIT_FSIZE, config["file_bytes"]),
+        (resource.RLIMIT_NOFILE, config["open_files"]),
+        (resource.RLIMIT_NPROC, config["processes"]),
+        (resource.RLIMIT_CORE, 0),
+        (resource.RLIMIT_CPU, cpu),
+    )
+    for which, value in pairs:
+        resource.setrlimit(which, (value, value))
+
+
+def _fresh_interpreter_state() -> None:
+    """What a fresh interpreter would have: default signal mask, new streams, seeded RNGs."""
+    _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+    _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)  # a full output file raises, not kills
+    _fresh_streams()
+    sys.argv[:] = ["-c"]
+    if "random" in sys.modules:
+        sys.modules["random"].seed(0)
+    else:
+        sys.meta_path.insert(0, _SeedRandomOnImport())
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed(0)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _child(kernel: _Kernel, config: dict, baseline: int, fds: list, status_w: int) -> None:
+    """Runs in the forked child and never returns: isolate, run the one cell, report, exit."""
+    reply = ("fault", "setup")
+    try:
+        code_fd, stdout_fd, stderr_fd = fds
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
+        keep = sorted({0, 1, 2, code_fd, status_w})
+        for low, high in zip(keep, [*keep[1:], 1 << 20], strict=True):
+            os.closerange(low + 1, high)  # the server's socket, other calls' files: gone
+        try:
+            _isolate(kernel, config)
+            _child_limits(config, baseline)
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            code = _read_all(code_fd).decode("utf-8", errors="surrogateescape")
+            os.close(code_fd)
+            _fresh_interpreter_state()
+        except BaseException as exc:
+            reply = ("fault", f"{type(exc).__name__}: {exc}")
+            raise
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        reply = _run_cell(code, namespace, 1)
+        _flush_streams()
+    finally:
+        try:
+            _send(status_w, *reply)
+        finally:
+            os._exit(0)
+
+
+class _Call:
+    """One running child, as the server tracks it."""
+
+    __slots__ = ("deadline", "killed", "pid", "pidfd", "reply_w", "status_r")
+
+    def __init__(self, pid: int, status_r: int, reply_w: int, deadline: float) -> None:
+        self.pid, self.status_r, self.reply_w, self.deadline = pid, status_r, reply_w, deadline
+        self.pidfd = os.pidfd_open(pid)
+        self.killed = False
+
+
+def _exit_words(status: int, usage: object, cpu_seconds: int) -> tuple:
+    import signal
+
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        cpu = usage.ru_utime + usage.ru_stime
+        if number == signal.SIGXCPU or (number == signal.SIGKILL and cpu >= cpu_seconds - 0.05):
+            return ("crashed", f"CPU time limit of {cpu_seconds} s exceeded")
+        try:
+            return ("crashed", f"killed by {signal.Signals(number).name}")
+        except ValueError:
+            return ("crashed", f"killed by signal {number}")
+    return ("crashed", f"exit code {os.waitstatus_to_exitcode(status)}")
+
+
+def _finish(call: _Call, cpu_seconds: int) -> None:
+    """Reap the child, read what it reported and answer the host on the call's reply pipe."""
+    _, status, usage = os.wait4(call.pid, 0)
+    os.close(call.pidfd)
+    os.set_blocking(call.status_r, False)
+    try:
+        line = os.read(call.status_r, _MAX_STATUS).decode("utf-8", errors="replace")
+    except BlockingIOError:
+        line = ""
+    os.close(call.status_r)
+    words = line.split("\n")[0].split(" ", 1) if line.endswith("\n") else []
+    if call.killed:
+        reply: tuple = ("timeout",)
+    elif status == 0 and words and words[0] in ("ok", "error", "fault"):
+        reply = tuple(words)
+    else:  # the code ended the interpreter itself (os._exit, a signal, the CPU limit)
+        reply = _exit_words(status, usage, cpu_seconds)
+    import contextlib
+
+    with contextlib.suppress(OSError):  # the host gave up on this call
+        _send(call.reply_w, *reply)
+    os.close(call.reply_w)
+
+
+def _start(kernel: _Kernel, config: dict, baseline: int, own_pidns: int, request: tuple) -> _Call:
+    """Fork one child into a new pid namespace (as its pid 1) and start tracking it."""
+    import time
+
+    body, fds = request
+    message = marshal.loads(body)
+    code_fd, stdout_fd, stderr_fd, reply_w = fds
+    status_r, status_w = os.pipe2(os.O_CLOEXEC)
+    kernel.check(kernel.libc.unshare(_NEWPID), "unshare pid")
+    try:
+        pid = os.fork()
+        if pid == 0:
+            _child(kernel, config, baseline, [code_fd, stdout_fd, stderr_fd], status_w)
+    finally:
+        # Later forks (and this server's own children) go back to the server's namespace.
+        kernel.check(kernel.libc.setns(own_pidns, _NEWPID), "setns pid")
+        os.close(status_w)
+        for fd in (code_fd, stdout_fd, stderr_fd):
+            os.close(fd)
+    return _Call(pid, status_r, reply_w, time.monotonic() + float(message["timeout"]))
+
+
+def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
+    """Warm up, then fork one isolated child per request until the host hangs up.
+
+    A request is one ``SOCK_SEQPACKET`` message: ``marshal({"timeout": s})`` with four fds
+    (the code, stdout and stderr files, and the write end of the call's reply pipe). The
+    answer is one line on that pipe. The server enforces the timeout itself (SIGKILL to the
+    child, pid 1 of its namespace, takes its whole tree down).
+    """
+    import gc
+    import select
+    import socket
+    import time
+
+    kernel = _Kernel()
+    for module in config["preload_optional"]:
+        try:
+            __import__(module)
+        except ImportError:
+            continue  # not installed for this interpreter
+    gc.collect()
+    gc.freeze()  # a child's collections never touch (and so never copy) the warm heap
+    if len(os.listdir("/proc/self/task")) != 1:
+        raise SystemExit("the fork-server must be single-threaded to fork safely")
+    with open("/proc/self/status") as f:
+        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    baseline = vm_kb << 10
+    own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    kernel.check(kernel.libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "ambient")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    sock = socket.socket(fileno=requests_fd)
+    calls: dict[int, _Call] = {}
+    poller = select.poll()
+    poller.register(requests_fd, select.POLLIN)
+    _send(ctl_out, "ready")
+    while True:
+        now = time.monotonic()
+        wait = min((c.deadline for c in calls.values() if not c.killed), default=None)
+        events = poller.poll(None if wait is None else max(0.0, wait - now) * 1000 + 1)
+        for fd, _ in events:
+            if fd == requests_fd:
+                body, fds, flags, _ = socket.recv_fds(sock, 4096, 4)
+                if not body and not fds:
+                    return  # the host closed its end
+                if len(fds) != 4 or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    for extra in fds:
+                        os.close(extra)
+                    continue
+                try:
+                    call = _start(kernel, config, baseline, own_pidns, (body, fds))
+                except OSError as exc:  # e.g. no more processes: this call fails, not the server
+                    _send(fds[3], "fault", f"cannot start the call: {exc}")
+                    os.close(fds[3])
+                    continue
+                calls[call.pidfd] = call
+                poller.register(call.pidfd, select.POLLIN)
+            else:
+                call = calls.pop(fd)
+                poller.unregister(fd)
+                _finish(call, config["cpu_seconds"])
+        now = time.monotonic()
+        for call in calls.values():
+            if not call.killed and call.deadline <= now:
+                call.killed = True
+                _signal.pidfd_send_signal(call.pidfd, _SIGKILL)
+
+
 def main() -> None:
     ctl_in, ctl_out = int(sys.argv[1]), int(sys.argv[2])
-    keep = sorted({0, 1, 2, ctl_in, ctl_out})
+    requests = [int(fd) for fd in sys.argv[3:4]]  # the fork-server's request socket
+    keep = sorted({0, 1, 2, ctl_in, ctl_out, *requests})
     for low, high in zip(keep, [*keep[1:], 1 << 20], strict=True):
         os.closerange(low + 1, high)
     config = _receive(ctl_in)
@@ -194,6 +488,10 @@ def main() -> None:
     sys.path.extend(config["path"])
     for module in config["preload"]:
         __import__(module)
+    if config.get("forkserver"):
+        os.close(ctl_in)
+        _serve(config, ctl_out, requests[0])
+        return
     _apply_limits(config)
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)  # a full output file raises, not kills
     sys.meta_path.insert(0, _SeedRandomOnImport())

@@ -22,6 +22,14 @@ SANDBOX_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
+# What the fork-server imports once so that no call pays for it: the standard library a
+# math cell reaches for, the traceback machinery, and the math packages where installed.
+FORKSERVER_PRELOAD = (
+    "array", "bisect", "cmath", "collections", "contextlib", "datetime", "decimal",
+    "fractions", "functools", "heapq", "itertools", "json", "linecache", "math", "operator",
+    "random", "re", "statistics", "string", "time", "traceback", "typing",
+    "numpy", "mpmath", "sympy",
+)  # fmt: skip
 RLIMITS_WARNING = (
     "agent_gym sandbox is running with isolation='rlimits': model code runs WITHOUT "
     "namespaces. Its network, the host file system (as uid 65534 when root) and processes "
@@ -67,3 +75,13 @@ class Limits:
             raise ValueError("Limits.processes must be at least 4 (bwrap and the worker)")
         if self.open_files < 16:
             raise ValueError("Limits.open_files must be at least 16 (the interpreter needs them)")
+
+
+def encode_code(code: str) -> bytes:
+    """A cell's source as bytes for the sandbox; not a str or too long is refused."""
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    data = code.encode("utf-8", errors="surrogatepass")
+    if len(data) > MAX_CODE_BYTES:
+        raise ValueError(f"code is longer than {MAX_CODE_BYTES} bytes")
+    return data
