@@ -30,6 +30,9 @@ FORKSERVER_PRELOAD = (
     "random", "re", "statistics", "string", "time", "traceback", "typing",
     "numpy", "mpmath", "sympy",
 )  # fmt: skip
+# Children the fork-server keeps forked and isolated ahead of calls (enough for four
+# concurrent callers to find one ready; each costs little more than its page tables).
+FORKSERVER_SPARES = 4
 RLIMITS_WARNING = (
     "agent_gym sandbox is running with isolation='rlimits': model code runs WITHOUT "
     "namespaces. Its network, the host file system (as uid 65534 when root) and processes "

@@ -37,6 +37,7 @@ from typing import Any
 
 from agent_gym.sandbox.config import (
     FORKSERVER_PRELOAD,
+    FORKSERVER_SPARES,
     ISOLATIONS,
     NOBODY,
     RLIMITS_WARNING,
@@ -68,8 +69,9 @@ _BWRAP_FLAGS = (
 )  # fmt: skip
 # The fork-server's sandbox differs in three ways. It keeps CAP_SYS_ADMIN (inside its own
 # user namespace only) to build each child's namespaces; the children drop it before any
-# model code runs. It may create user namespaces, because every child gets one of its own
-# (and forbids further ones inside it). And it has no devpts: bwrap mounts devpts through
+# model code runs.
+# It may create user namespaces, because every child gets one of its own (and forbids
+# further ones inside it). And it has no devpts: bwrap mounts devpts through
 # an intermediate user namespace that would own the sandbox's namespaces, leaving the
 # server no capability over them; the plain devices are bound one by one instead.
 _FORKSERVER_FLAGS = (
@@ -231,6 +233,7 @@ class Launcher:
             "preload": list(self.preload),
             "preload_optional": list(FORKSERVER_PRELOAD) if forkserver else [],
             "forkserver": forkserver,
+            "spares": FORKSERVER_SPARES,
             "path": self._site_paths or [],
         }
 
