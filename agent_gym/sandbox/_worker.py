@@ -286,6 +286,7 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
     libc, check = kernel.libc, kernel.check
     uid, gid = os.getuid(), os.getgid()
     check(libc.prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0), "pdeathsig")
+    os.setsid()  # a session (and scheduler autogroup) of its own, as bwrap's --new-session
     private = _NEWNS | _NEWIPC | (0 if kernel.landlock_scopes else _NEWNET)
     check(libc.unshare(private), "unshare")
     check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
