@@ -28,7 +28,7 @@ FORKSERVER_PRELOAD = (
     "array", "bisect", "cmath", "collections", "contextlib", "datetime", "decimal",
     "fractions", "functools", "heapq", "itertools", "json", "linecache", "math", "operator",
     "random", "re", "statistics", "string", "time", "traceback", "typing",
-    "numpy", "mpmath", "sympy",
+    "numpy", "numpy.random", "mpmath", "sympy",
 )  # fmt: skip
 # Children the fork-server keeps forked and isolated ahead of calls (enough for four
 # concurrent callers to find one ready; each costs little more than its page tables).

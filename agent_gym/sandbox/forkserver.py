@@ -162,31 +162,39 @@ class ForkServer:
                 os.close(fd)
 
     def _run(self, data: bytes, timeout: float, files: tuple[int, int]) -> ExecResult:
+        """Send the call; if its server dies first, run it once more on a fresh one.
+
+        Running a stateless call twice is invisible to it (nothing of the first run
+        survives); a call whose second server dies too reports ``crashed``.
+        """
         source = os.memfd_create("sandbox-code", os.MFD_CLOEXEC)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(source, view) :]
-            for attempt in (1, 2):  # a server that died between calls is replaced once
+            for attempt in (1, 2):
                 with self._lock:
                     server = self._current()
+                for fd in files:
+                    os.ftruncate(fd, 0)
                 reply_r, reply_w = os.pipe2(os.O_CLOEXEC)
                 try:
                     try:
                         request = [marshal.dumps({"timeout": timeout})]
                         socket.send_fds(server.requests, request, [source, *files, reply_w])
-                    except OSError as err:
-                        self._discard(server)
-                        if attempt == 2:
-                            raise SandboxError("the sandbox fork-server takes no requests") from err
-                        continue
+                        sent = True
+                    except OSError:
+                        sent = False
                     finally:
-                        os.close(reply_w)
+                        os.close(reply_w)  # the server's copy alone: EOF when it dies
                     started = time.monotonic()
-                    reply = _read_reply(reply_r, started + timeout + GRACE)
+                    reply = _read_reply(reply_r, started + timeout + GRACE) if sent else None
                     duration = time.monotonic() - started
                 finally:
                     os.close(reply_r)
+                if reply is None and attempt == 1:
+                    self._discard(server)
+                    continue
                 return self._result(server, reply, files, timeout, duration)
             raise AssertionError("unreachable")
         finally:
