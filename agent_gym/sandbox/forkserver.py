@@ -128,9 +128,7 @@ class ForkServer:
         if server is not None and server.healthy():
             return server
         if server is not None:
-            log.warning("the sandbox fork-server died or was tampered with; restarting it")
-            self._retire(server)
-            self.restarts += 1
+            self._replace(server, "died or was tampered with")
         self._server = self._spawn()
         return self._server
 
@@ -146,10 +144,16 @@ class ForkServer:
         with self._lock:
             self._retiring.discard(future)
 
+    def _replace(self, server: _Server, why: str) -> None:
+        """Retire a failed server; the next call starts a fresh one (locked)."""
+        log.warning("the sandbox fork-server %s; starting a fresh one", why)
+        self.restarts += 1
+        self._retire(server)
+
     def _discard(self, server: _Server) -> None:
         with self._lock:
             if self._server is server:
-                self._retire(server)
+                self._replace(server, "stopped answering")
 
     def run(self, code: str, timeout: float) -> ExecResult:
         """Run ``code`` in a fresh child; ``timeout`` is its wall time in seconds."""
