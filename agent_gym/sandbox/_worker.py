@@ -66,14 +66,19 @@ def _send(fd: int, *words: str) -> None:
 
 
 class _SeedRandomOnImport:
-    """Seeds ``random`` with 0 when a cell first imports it, so replays print the same.
+    """Seeds ``random`` (or ``numpy.random``) with 0 when a cell first imports it, so
+    replays print the same.
 
-    Importing ``random`` up front to seed it cost 1-3 ms of every start; this finder hands
-    out the normal spec with a loader that seeds the module right after executing it.
+    Importing it up front to seed it cost 1-3 ms of every start (and, in the fork-server,
+    ~0.8 ms of every fork: numpy.random's pages); this finder hands out the normal spec with
+    a loader that seeds the module right after executing it.
     """
 
+    def __init__(self, name: str) -> None:
+        self.name = name
+
     def find_spec(self, name: str, path: object = None, target: object = None) -> object:
-        if name != "random":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = _frozen_importlib_external.PathFinder.find_spec(name, path)
@@ -331,12 +336,18 @@ def _fresh_interpreter_state() -> None:
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)  # a full output file raises, not kills
     _fresh_streams()
     sys.argv[:] = ["-c"]
-    if "random" in sys.modules:
-        sys.modules["random"].seed(0)
-    else:
-        sys.meta_path.insert(0, _SeedRandomOnImport())
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed(0)
+    for name in ("random", "numpy.random"):
+        if name in sys.modules:
+            sys.modules[name].seed(0)
+        else:
+            sys.meta_path.insert(0, _SeedRandomOnImport(name))
+
+
+def _warm_up() -> None:
+    """Run a throwaway cell while waiting for the call, so the pages a cell's compile, exec
+    and print write to are copied from the server now rather than during the call. It
+    leaves nothing behind: its namespace and output are its own and are dropped."""
+    _run_cell("print(repr(6 * 7), file=sink)", {"sink": io.StringIO(), "__builtins__": builtins}, 0)
 
 
 def _read_all(fd: int) -> bytes:
@@ -364,6 +375,8 @@ def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w:
         try:
             _isolate(kernel, config)
             _child_limits(config, baseline)
+            _fresh_interpreter_state()  # its streams write to whatever fds 1 and 2 become
+            _warm_up()
             _, fds, _, _ = socket.recv_fds(sock, 16, 3)
             if len(fds) != 3:  # the server is shutting down
                 os._exit(0)
@@ -375,7 +388,6 @@ def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w:
                 os.close(fd)
             code = _read_all(code_fd).decode("utf-8", errors="surrogateescape")
             os.close(code_fd)
-            _fresh_interpreter_state()
         except BaseException as exc:
             reply = ("fault", f"{type(exc).__name__}: {exc}")
             raise
@@ -462,6 +474,11 @@ class _Server:
         return child
 
     def refill(self) -> None:
+        """Fork spares while no call runs: a spare being forked and isolated competes for
+        the CPU with a running call, so that work waits for a gap between calls (a call
+        that finds no spare forks its own)."""
+        if any(child.reply_w is not None for child in self.watched.values()):
+            return
         while len(self.spares) < self.config["spares"]:
             self.spares.append(self.fork())
 
@@ -575,6 +592,7 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
             continue  # not installed for this interpreter
     gc.collect()
     gc.freeze()  # a child's collections never touch (and so never copy) the warm heap
+    kernel.libc.malloc_trim(0)  # fewer mapped pages: every fork copies their page tables
     if len(os.listdir("/proc/self/task")) != 1:
         raise SystemExit("the fork-server must be single-threaded to fork safely")
     with open("/proc/self/status") as f:
@@ -632,7 +650,7 @@ def main() -> None:
         return
     _apply_limits(config)
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)  # a full output file raises, not kills
-    sys.meta_path.insert(0, _SeedRandomOnImport())
+    sys.meta_path.insert(0, _SeedRandomOnImport("random"))
     _fresh_streams()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     _send(ctl_out, "ready")
