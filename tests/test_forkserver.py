@@ -222,12 +222,27 @@ def test_a_call_holds_no_privilege_and_cannot_create_namespaces(box: StatelessSa
         for flag in (0x10000000, 0x20000, 0x40000000):  # user, mount, network
             print(libc.unshare(flag), ctypes.get_errno() != 0)
         print(os.getuid(), os.getgid(), os.getsid(0) == os.getpid())
+        for path in ('/proc/sys/user/max_user_namespaces', '/proc/sys/kernel/hostname',
+                     '/proc/sys/net/core/somaxconn', '/proc/sysrq-trigger'):
+            try:
+                open(path, 'w').write('1')
+                print('WROTE', path)
+            except OSError as exc:
+                print(type(exc).__name__)
         """,
     )
     lines = out.splitlines()
     assert lines[0] == "0000000000000000 0000000000000000 1", lines
     assert lines[1:4] == ["-1 True"] * 3, lines
     assert lines[4] == "65534 65534 True"
+    assert not [line for line in lines[5:] if line.startswith("WROTE")], lines
+
+
+def test_code_cannot_forge_a_sandbox_fault(box: StatelessSandbox) -> None:
+    forged = box.run(
+        "import os\nfor fd in range(3, 64):\n    try: os.write(fd, b'fault x\\n')\n    except OSError: pass"
+    )
+    assert forged.status in ("ok", "crashed"), forged  # its own outcome, never a SandboxError
 
 
 def test_the_math_stack_is_warm_and_memory_is_the_codes_own(box: StatelessSandbox) -> None:

@@ -533,7 +533,11 @@ class _Server:
         self._unwatch(child.status_r)
         child.status_r = -1
         words = data.split("\n")[0].split(" ", 1) if data.endswith("\n") else []
-        if words and words[0] in ("ok", "error", "fault") and not child.killed:
+        # Once a child holds a call, model code could write to this pipe too: then only
+        # the words a cell's outcome can be are taken, and anything else is answered from
+        # its exit. (A forged "fault" would make the host blame the sandbox.)
+        accepted = ("ok", "error") if child.reply_w is not None else ("fault",)
+        if words and words[0] in accepted and not child.killed:
             child.line = " ".join(words)
             self._answer(child, tuple(words))
 

@@ -57,9 +57,10 @@ class Limits:
     ``timeout`` is wall time per call and is the limit that always holds; ``cpu_seconds`` is
     per call as well (a persistent worker gets that much more CPU time for every cell).
     ``memory_bytes`` is ``RLIMIT_AS`` per process and ``processes`` caps the sandbox's
-    process count, so a sandbox can address at most their product. ``file_bytes`` caps every
-    file the code writes, including its captured stdout and stderr; ``output_bytes`` is the
-    tail of each stream that is read back.
+    process count, so a sandbox can address at most their product. (A fork-server child
+    gets ``memory_bytes`` on top of the warm interpreter's own mappings, which it shares.)
+    ``file_bytes`` caps every file the code writes, including its captured stdout and
+    stderr; ``output_bytes`` is the tail of each stream that is read back.
     """
 
     timeout: float = 10.0

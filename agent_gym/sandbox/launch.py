@@ -9,6 +9,9 @@ itself before it reads any model code. Output goes to capped in-memory files. Wh
 is root, every sandbox is forked into a "nursery" pid namespace that dies with this process
 (``process.enter_nursery``); waiting and killing are in ``process`` too.
 
+``spawn(forkserver=True)`` starts the fork-server program in a variant of that sandbox
+(see ``_FORKSERVER_FLAGS`` and ``forkserver``).
+
 The explicit opt-in ``isolation="rlimits"`` runs the same worker without namespaces (for
 hosts where bwrap cannot create user namespaces). It still drops to uid 65534 when root and
 applies the rlimits, but the network, the file system and escaped processes are *not*

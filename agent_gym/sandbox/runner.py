@@ -1,10 +1,13 @@
-"""Running code: stateless calls (optionally from a pool of pre-started workers) and notebooks.
+"""Running code: stateless calls (on a fork-server, or a sandbox each) and notebooks.
 
 A stateless call gets a fresh interpreter that runs exactly one cell and is then killed, so
-nothing leaks from one call to the next; the pool only moves the ~25 ms start of bwrap and
-the interpreter off the call's critical path. A stateful sandbox keeps one persistent worker
-per episode, like a notebook kernel; when a cell times out or kills its interpreter the
-worker is replaced and the result says plainly that the state was lost.
+nothing leaks from one call to the next. By default it is a freshly forked, fully isolated
+child of a warm sandboxed interpreter (``forkserver``: a few ms, and the math stack already
+imported); the per-call engine starts a bwrap sandbox and an interpreter for every call,
+and its pool only moves that ~25 ms start off the call's critical path. A stateful
+sandbox keeps one persistent worker per episode, like a notebook kernel; when a cell times
+out or kills its interpreter the worker is replaced and the result says plainly that the
+state was lost.
 """
 
 from __future__ import annotations
