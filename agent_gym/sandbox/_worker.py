@@ -362,12 +362,15 @@ def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w:
     """Runs in a forked child and never returns: isolate, wait for one call, run it, exit.
 
     Everything but the child's own socket and status pipe is closed first, so it holds
-    nothing of the server's (the request socket, other calls' files). Its status line goes
-    to the server, which answers the host; a line that lies only misreports this call.
+    nothing of the server's (the request socket, other calls' files). A setup fault is
+    reported to the server on the status pipe, which is closed before any model code runs;
+    the cell's outcome goes straight to the host on the call's own outcome pipe (model code
+    can write there too, but a line that lies only misreports this very call).
     """
     import socket
 
     reply = ("fault", "setup")
+    outcome = status_w
     try:
         keep = sorted({0, 1, 2, sock.fileno(), status_w})
         for low, high in zip(keep, [*keep[1:], 1 << 20], strict=True):
@@ -377,17 +380,19 @@ def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w:
             _child_limits(config, baseline)
             _fresh_interpreter_state()  # its streams write to whatever fds 1 and 2 become
             _warm_up()
-            _, fds, _, _ = socket.recv_fds(sock, 16, 3)
-            if len(fds) != 3:  # the server is shutting down
+            _, fds, _, _ = socket.recv_fds(sock, 16, 4)
+            if len(fds) != 4:  # the server is shutting down
                 os._exit(0)
-            code_fd, stdout_fd, stderr_fd = fds
+            code_fd, stdout_fd, stderr_fd, outcome_fd = fds
             os.dup2(stdout_fd, 1)
             os.dup2(stderr_fd, 2)
             sock.close()
-            for fd in fds[1:]:
+            for fd in (stdout_fd, stderr_fd):
                 os.close(fd)
             code = _read_all(code_fd).decode("utf-8", errors="surrogateescape")
             os.close(code_fd)
+            os.close(status_w)
+            outcome = outcome_fd
         except BaseException as exc:
             reply = ("fault", f"{type(exc).__name__}: {exc}")
             raise
@@ -396,7 +401,7 @@ def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w:
         _flush_streams()
     finally:
         try:
-            _send(status_w, *reply)
+            _send(outcome, *reply)
         finally:
             os._exit(0)
 
@@ -487,42 +492,39 @@ class _Server:
         import socket
         import time
 
-        code_fd, stdout_fd, stderr_fd, reply_w = fds
+        *call_fds, verdict_w = fds  # the code, stdout, stderr and outcome files
         try:
             child = self.spares.pop(0) if self.spares else self.fork()
         except OSError as exc:  # e.g. no more processes: this call fails, not the server
-            _send(reply_w, "fault", f"cannot start the call: {exc}")
+            _send(verdict_w, "fault", f"cannot start the call: {exc}")
             for fd in fds:
                 os.close(fd)
             return
-        child.reply_w = reply_w
+        child.reply_w = verdict_w
         child.deadline = time.monotonic() + float(marshal.loads(body)["timeout"])
         try:
-            socket.send_fds(child.sock, [b"run"], [code_fd, stdout_fd, stderr_fd])
+            socket.send_fds(child.sock, [b"run"], call_fds)
         except OSError:
             pass  # the spare died while idle; its exit answers this call
         finally:
             child.sock.close()
             child.sock = None
-            for fd in (code_fd, stdout_fd, stderr_fd):
+            for fd in call_fds:
                 os.close(fd)
         if child.line is not None:
             self._answer(child, tuple(child.line.split(" ", 1)))
 
-    def _answer(self, child: _Child, reply: tuple, *, kill: bool = True) -> None:
-        """Answer the host once, then kill the child, pid 1 of its namespace: its whole
-        tree goes with it (a call that finished has nothing left to do)."""
+    def _answer(self, child: _Child, reply: tuple) -> None:
+        """Tell the host, once, how the call's child ended (it prefers the child's own
+        outcome line when there is one)."""
         import contextlib
 
         if child.reply_w is None:
             return
-        with contextlib.suppress(OSError):  # the host gave up on this call
+        with contextlib.suppress(OSError):  # the host has its answer or gave up
             _send(child.reply_w, *reply)
         os.close(child.reply_w)
         child.reply_w = None
-        if kill:
-            with contextlib.suppress(ProcessLookupError):
-                _signal.pidfd_send_signal(child.pidfd, _SIGKILL)
 
     def on_status(self, child: _Child) -> None:
         os.set_blocking(child.status_r, False)
@@ -533,16 +535,13 @@ class _Server:
         self._unwatch(child.status_r)
         child.status_r = -1
         words = data.split("\n")[0].split(" ", 1) if data.endswith("\n") else []
-        # Once a child holds a call, model code could write to this pipe too: then only
-        # the words a cell's outcome can be are taken, and anything else is answered from
-        # its exit. (A forged "fault" would make the host blame the sandbox.)
-        accepted = ("ok", "error") if child.reply_w is not None else ("fault",)
-        if words and words[0] in accepted and not child.killed:
+        # Only a spare that has no call yet may report a fault: a call's child closes this
+        # pipe before model code runs, so a "fault" cannot be forged to blame the sandbox.
+        if words and words[0] == "fault" and child.reply_w is None:
             child.line = " ".join(words)
-            self._answer(child, tuple(words))
 
     def on_exit(self, child: _Child) -> None:
-        """Reap a child; if it has not answered yet, its exit is the answer."""
+        """Reap a child (pid 1 of its namespace: its whole tree is gone) and say how it ended."""
         if child.status_r >= 0:
             self.on_status(child)
         _, status, usage = os.wait4(child.pid, 0)
@@ -552,7 +551,7 @@ class _Server:
             reply = tuple(child.line.split(" ", 1))
         else:  # the code ended the interpreter (os._exit, a signal, the CPU limit)
             reply = _exit_words(status, usage, self.config["cpu_seconds"])
-        self._answer(child, reply, kill=False)
+        self._answer(child, reply)
         self._unwatch(child.pidfd)
         if child.status_r >= 0:
             self._unwatch(child.status_r)
@@ -579,10 +578,11 @@ class _Server:
 def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
     """Warm up, then run one call per request in a spare child until the host hangs up.
 
-    A request is one ``SOCK_SEQPACKET`` message: ``marshal({"timeout": s})`` with four fds
-    (the code, stdout and stderr files, and the write end of the call's reply pipe). The
-    answer is one line on that pipe. The server enforces the timeout itself: SIGKILL to the
-    child, pid 1 of its namespace, takes its whole tree down.
+    A request is one ``SOCK_SEQPACKET`` message: ``marshal({"timeout": s})`` with five fds:
+    the code, stdout and stderr files, and the write ends of the call's outcome pipe (for
+    the child's "ok" / "error <name>" line, straight to the host) and its verdict pipe (for
+    the server's word on how the child ended). The server enforces the timeout itself:
+    SIGKILL to the child, pid 1 of its namespace, takes its whole tree down.
     """
     import gc
     import socket
@@ -618,10 +618,10 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
         timeout = None if wait is None else max(0.0, wait - time.monotonic()) * 1000 + 1
         for fd, _ in server.poller.poll(timeout):
             if fd == requests_fd:
-                body, fds, flags, _ = socket.recv_fds(sock, 4096, 4)
+                body, fds, flags, _ = socket.recv_fds(sock, 4096, 5)
                 if not body and not fds:
                     return  # the host closed its end; the children die with this process
-                if len(fds) == 4 and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                if len(fds) == 5 and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                     server.dispatch(body, fds)
                 else:
                     for extra in fds:

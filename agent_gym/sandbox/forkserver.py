@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 # How long past a call's own timeout the server may take to answer before it is replaced.
 GRACE = 2.0
-_MAX_REPLY = 512
+_MAX_REPLY = 512  # bytes of an answer line
 
 
 class _Server:
@@ -74,18 +74,43 @@ class _Server:
         os.close(self.pidfd)
 
 
-def _read_reply(fd: int, deadline: float) -> str | None:
-    """The server's one-line answer; ``None`` on EOF (the server died), ``""`` at the deadline."""
-    data = b""
-    while not data.endswith(b"\n") and len(data) < _MAX_REPLY:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            return ""
-        chunk = os.read(fd, _MAX_REPLY)
-        if not chunk:
+def _first_line(data: bytes) -> str | None:
+    end = data.find(b"\n")
+    return None if end < 0 else data[:end].decode("utf-8", errors="replace")
+
+
+def _await_answer(outcome: int, verdict: int, deadline: float) -> str | None:
+    """A call's answer: the child's own ``ok`` / ``error <name>`` line as soon as it comes
+    (straight from the child, one wake-up less than through the server), else the server's
+    word on how the child ended. ``None`` if the server died first, ``""`` at the deadline.
+
+    The outcome pipe is one model code can write to as well, so only those two words are
+    taken from it; anything else waits for the server, whose pipe the child never holds.
+    """
+    buffers = {outcome: b"", verdict: b""}
+    watching = {outcome, verdict}
+    while True:
+        line = _first_line(buffers[outcome])
+        if line is not None and line.partition(" ")[0] in ("ok", "error"):
+            return line
+        line = _first_line(buffers[verdict])
+        if line is not None and outcome in watching and select.select([outcome], [], [], 0)[0]:
+            watching.discard(outcome)  # what the child wrote before it ended comes first
+            buffers[outcome] += os.read(outcome, _MAX_REPLY)
+            continue
+        if line is not None:
+            return line
+        if verdict not in watching:
             return None
-        data += chunk
-    return data.decode("utf-8", errors="replace").rstrip("\n")
+        remaining = deadline - time.monotonic()
+        ready = select.select(list(watching), [], [], remaining)[0] if remaining > 0 else []
+        if not ready:
+            return ""
+        for fd in ready:
+            chunk = os.read(fd, _MAX_REPLY)
+            buffers[fd] += chunk
+            if not chunk or len(buffers[fd]) > _MAX_REPLY:
+                watching.discard(fd)
 
 
 class ForkServer:
@@ -181,21 +206,26 @@ class ForkServer:
                     server = self._current()
                 for fd in files:
                     os.ftruncate(fd, 0)
-                reply_r, reply_w = os.pipe2(os.O_CLOEXEC)
+                outcome_r, outcome_w = os.pipe2(os.O_CLOEXEC)
+                verdict_r, verdict_w = os.pipe2(os.O_CLOEXEC)
                 try:
                     try:
                         request = [marshal.dumps({"timeout": timeout})]
-                        socket.send_fds(server.requests, request, [source, *files, reply_w])
+                        fds = [source, *files, outcome_w, verdict_w]
+                        socket.send_fds(server.requests, request, fds)
                         sent = True
                     except OSError:
                         sent = False
-                    finally:
-                        os.close(reply_w)  # the server's copy alone: EOF when it dies
+                    finally:  # the server holds the only other copies: EOF if it dies
+                        os.close(outcome_w)
+                        os.close(verdict_w)
                     started = time.monotonic()
-                    reply = _read_reply(reply_r, started + timeout + GRACE) if sent else None
+                    deadline = started + timeout + GRACE
+                    reply = _await_answer(outcome_r, verdict_r, deadline) if sent else None
                     duration = time.monotonic() - started
                 finally:
-                    os.close(reply_r)
+                    os.close(outcome_r)
+                    os.close(verdict_r)
                 if reply is None and attempt == 1:
                     self._discard(server)
                     continue
