@@ -4,8 +4,10 @@ Modes, all running ``print(1 + 1)``:
 
 - ``plain``: the unisolated baseline, ``subprocess.run([python, "-S", "-c", code])`` with
   captured output, measured in the same run;
-- ``stateless``: a fresh bwrap sandbox and interpreter per call;
-- ``pooled``: stateless calls served by pre-started single-use sandboxes (pool of 4);
+- ``forkserver``: stateless calls as they run by default, each a freshly forked and fully
+  isolated child of one warm sandboxed interpreter (numpy, sympy, mpmath imported);
+- ``per-call``: a fresh bwrap sandbox and interpreter per call (``forkserver=False``);
+- ``pooled``: per-call sandboxes pre-started by a pool of 4;
 - ``stateful``: one persistent sandboxed interpreter per client (a notebook).
 
 Two phases per mode and concurrency (1, 2, 4 client threads):
@@ -14,7 +16,9 @@ Two phases per mode and concurrency (1, 2, 4 client threads):
   the model generates; p50/p99 of the call time;
 - throughput: clients call back to back for a fixed time; calls per second.
 
-Ratios are against ``plain`` at the same concurrency. Writes
+Ratios are against ``plain`` at the same concurrency; ``forkserver_targets`` says whether
+the fork-server met issue 19's bar (p50 <= 0.3x, throughput >= 2x plain at every level).
+The load average is recorded because the host is shared. Writes
 ``benchmarks/results/sandbox.json`` and prints a table. Takes about a minute.
 
     python benchmarks/bench_sandbox.py [--quick]
@@ -107,14 +111,28 @@ def measure(calls: list[Call], paced: int, seconds: float) -> dict[str, float]:
     }
 
 
+def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 19's bar for the fork-server: p50 <= 0.3x and throughput >= 2x plain, per level."""
+    forked = [row for row in rows if row["mode"] == "forkserver"]
+    return {
+        "p50_at_most_0.3x_plain": all(row["p50_vs_plain"] <= 0.3 for row in forked),
+        "throughput_at_least_2x_plain": all(row["throughput_vs_plain"] >= 2.0 for row in forked),
+        "by_concurrency": {
+            row["concurrency"]: [row["p50_vs_plain"], row["throughput_vs_plain"]] for row in forked
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     args = parser.parse_args()
     paced, seconds = (5, 0.5) if args.quick else (25, 2.0)
+    load_at_start = os.getloadavg()[0]
     limits = Limits(timeout=10.0)
-    stateless = open_sandbox("stateless", limits=limits)
-    pooled = open_sandbox("stateless", limits=limits, pool_size=4)
+    forked = open_sandbox("stateless", limits=limits, forkserver=True)
+    stateless = open_sandbox("stateless", limits=limits, forkserver=False)
+    pooled = open_sandbox("stateless", limits=limits, pool_size=4, forkserver=False)
     notebooks = [open_sandbox("stateful", limits=limits) for _ in range(4)]
     rows: list[dict[str, Any]] = []
     try:
@@ -124,7 +142,8 @@ def main() -> None:
         for concurrency in (1, 2, 4):
             modes: dict[str, list[Call]] = {
                 "plain": [_plain() for _ in range(concurrency)],
-                "stateless": [_checked(stateless.run) for _ in range(concurrency)],
+                "forkserver": [_checked(forked.run) for _ in range(concurrency)],
+                "per-call": [_checked(stateless.run) for _ in range(concurrency)],
                 "pooled": [_checked(pooled.run) for _ in range(concurrency)],
                 "stateful": [_checked(nb.run) for nb in notebooks[:concurrency]],
             }
@@ -143,6 +162,7 @@ def main() -> None:
                     }
                 )
     finally:
+        forked.close()
         stateless.close()
         pooled.close()
         for notebook in notebooks:
@@ -155,22 +175,25 @@ def main() -> None:
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
+            "load_avg_1m_at_start": round(load_at_start, 2),
             "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
         },
         "method": "latency: clients pause 50 ms between calls; throughput: back to back for "
         f"{seconds} s; ratios against the plain subprocess at the same concurrency",
         "results": rows,
+        "forkserver_targets": _targets(rows),
     }
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     header = (
-        f"{'mode':<10}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}{'p50 x':>8}{'tput x':>8}"
+        f"{'mode':<11}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}{'p50 x':>8}{'tput x':>8}"
     )
+    print(f"load average {load_at_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     print(header)
     for row in rows:
         print(
-            f"{row['mode']:<10}{row['concurrency']:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}"
+            f"{row['mode']:<11}{row['concurrency']:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}"
             f"{row['throughput_per_s']:>9}{row['p50_vs_plain']:>8}{row['throughput_vs_plain']:>8}"
         )
 

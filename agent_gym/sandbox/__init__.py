@@ -2,8 +2,9 @@
 
 ``open_sandbox("stateless" | "stateful", ...)`` is the entry point. ``launch`` builds the
 isolation (see its docstring for what is contained and how), ``process`` drives and kills
-one sandboxed worker, ``runner`` holds the two execution modes, ``config`` the limits, and
-``_worker`` is the program that runs inside.
+one sandboxed worker, ``runner`` holds the two execution modes, ``forkserver`` the engine
+stateless calls run on by default, ``result`` what a call returns, ``config`` the limits,
+and ``_worker`` is the program that runs inside (a worker, or the fork-server).
 """
 
 from agent_gym.sandbox.config import (
@@ -13,20 +14,17 @@ from agent_gym.sandbox.config import (
     Limits,
     SandboxError,
 )
+from agent_gym.sandbox.forkserver import ForkServer
 from agent_gym.sandbox.launch import Launcher, find_bwrap
-from agent_gym.sandbox.runner import (
-    STATE_LOST,
-    ExecResult,
-    StatefulSandbox,
-    StatelessSandbox,
-    open_sandbox,
-)
+from agent_gym.sandbox.result import STATE_LOST, ExecResult
+from agent_gym.sandbox.runner import StatefulSandbox, StatelessSandbox, open_sandbox
 
 __all__ = [
     "ISOLATIONS",
     "RLIMITS_WARNING",
     "STATE_LOST",
     "ExecResult",
+    "ForkServer",
     "IsolationUnavailableError",
     "Launcher",
     "Limits",

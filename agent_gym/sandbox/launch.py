@@ -9,6 +9,9 @@ itself before it reads any model code. Output goes to capped in-memory files. Wh
 is root, every sandbox is forked into a "nursery" pid namespace that dies with this process
 (``process.enter_nursery``); waiting and killing are in ``process`` too.
 
+``spawn(forkserver=True)`` starts the fork-server program in a variant of that sandbox
+(see ``_FORKSERVER_FLAGS`` and ``forkserver``).
+
 The explicit opt-in ``isolation="rlimits"`` runs the same worker without namespaces (for
 hosts where bwrap cannot create user namespaces). It still drops to uid 65534 when root and
 applies the rlimits, but the network, the file system and escaped processes are *not*
@@ -22,6 +25,7 @@ import logging
 import os
 import shutil
 import site
+import socket
 import stat
 import subprocess
 import sys
@@ -35,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym.sandbox.config import (
+    FORKSERVER_PRELOAD,
+    FORKSERVER_SPARES,
     ISOLATIONS,
     NOBODY,
     RLIMITS_WARNING,
@@ -64,6 +70,18 @@ _BWRAP_FLAGS = (
     "--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL", "--clearenv",
     "--new-session", "--die-with-parent", "--hostname", "sandbox",
 )  # fmt: skip
+# The fork-server's sandbox differs in three ways. It keeps CAP_SYS_ADMIN (inside its own
+# user namespace only) to build each child's namespaces; the children drop it before any
+# model code runs.
+# It may create user namespaces, because every child gets one of its own (and forbids
+# further ones inside it). And it has no devpts: bwrap mounts devpts through
+# an intermediate user namespace that would own the sandbox's namespaces, leaving the
+# server no capability over them; the plain devices are bound one by one instead.
+_FORKSERVER_FLAGS = (
+    "--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN",
+    "--clearenv", "--new-session", "--die-with-parent", "--hostname", "sandbox",
+)  # fmt: skip
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 def find_bwrap() -> str | None:
@@ -211,23 +229,28 @@ class Launcher:
             warnings.warn(RLIMITS_WARNING, RuntimeWarning, stacklevel=2)
             log.warning(RLIMITS_WARNING)
 
-    def _worker_config(self, single: bool) -> dict[str, Any]:
+    def _worker_config(self, single: bool, forkserver: bool) -> dict[str, Any]:
         return {
             **asdict(self.limits),
             "single": single,
             "preload": list(self.preload),
+            "preload_optional": list(FORKSERVER_PRELOAD) if forkserver else [],
+            "forkserver": forkserver,
+            "spares": FORKSERVER_SPARES,
             "path": self._site_paths or [],
         }
 
-    def _worker_argv(self, ctl_in: int, ctl_out: int) -> list[str]:
+    def _worker_argv(self, ctl_in: int, ctl_out: int, requests: int | None) -> list[str]:
         # -S skips site's .pth processing (an editable install's finder alone cost ~10 ms a
         # start and points into the project); the worker appends site-packages itself.
         flags = ["-S", "-P"] if self._site_paths is not None else ["-s", "-P"]
-        return [self.python, *flags, "-c", _WORKER_SOURCE, str(ctl_in), str(ctl_out)]
+        fds = [str(ctl_in), str(ctl_out)] + ([str(requests)] if requests is not None else [])
+        return [self.python, *flags, "-c", _WORKER_SOURCE, *fds]
 
-    def _bwrap_argv(self, info_w: int) -> list[str]:
+    def _bwrap_argv(self, info_w: int, forkserver: bool) -> list[str]:
         assert self._bwrap is not None
-        argv = [self._bwrap, *_BWRAP_FLAGS, "--info-fd", str(info_w)]
+        flags = _FORKSERVER_FLAGS if forkserver else _BWRAP_FLAGS
+        argv = [self._bwrap, *flags, "--info-fd", str(info_w)]
         argv += ["--ro-bind", "/usr", "/usr"]
         for name in _ROOT_LINKS:
             path = f"/{name}"
@@ -241,27 +264,49 @@ class Launcher:
         # and /dev are tmpfs owned by the sandbox user, so they are remounted read-only
         # (else a cell could fill memory through /, /etc or /dev with uncapped files).
         size = str(self.limits.tmp_bytes)
-        argv += ["--proc", "/proc", "--dev", "/dev"]
-        argv += ["--size", size, "--tmpfs", "/dev/shm", "--size", size, "--tmpfs", "/tmp"]
+        argv += ["--proc", "/proc"]
+        if forkserver:
+            # No writable directory at all: each child mounts its own /tmp and /dev/shm.
+            for name in _DEVICES:
+                argv += ["--dev-bind", f"/dev/{name}", f"/dev/{name}"]
+            for index, name in enumerate(("stdin", "stdout", "stderr")):
+                argv += ["--symlink", f"/proc/self/fd/{index}", f"/dev/{name}"]
+            argv += ["--symlink", "/proc/self/fd", "/dev/fd", "--dir", "/dev/shm", "--dir", "/tmp"]
+        else:
+            argv += ["--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm"]
+            argv += ["--size", size, "--tmpfs", "/tmp"]
         # After the tmpfs: an interpreter or venv that lives under /tmp stays visible.
         for path in self._runtime:
             argv += ["--ro-bind", path, path]
-        argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
+        if not forkserver:
+            argv += ["--remount-ro", "/dev"]
+        argv += ["--remount-ro", "/", "--chdir", "/tmp"]
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
         return [*argv, "--"]
 
-    def spawn(self, *, single: bool) -> WorkerProcess:
-        """Start one worker (it becomes ready in the background; see ``WorkerProcess``)."""
+    def spawn(self, *, single: bool, forkserver: bool = False) -> WorkerProcess:
+        """Start one worker (it becomes ready in the background; see ``WorkerProcess``).
+
+        ``forkserver=True`` starts the fork-server program instead (bwrap isolation only),
+        with a ``SOCK_SEQPACKET`` socket for its requests as ``WorkerProcess.requests``.
+        """
+        if forkserver and self._bwrap is None:
+            raise ValueError("the fork-server needs isolation='bwrap'")
         ctl_in, ctl_w = os.pipe2(os.O_CLOEXEC)
         ctl_r, ctl_out = os.pipe2(os.O_CLOEXEC)
         info_r, info_w = os.pipe2(os.O_CLOEXEC) if self._bwrap else (None, None)
+        host_end, server_end = (
+            socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if forkserver else (None, None)
+        )
         stdout, stderr = output_file("stdout"), output_file("stderr")
         workdir = None
         child_fds = [ctl_in, ctl_out] + ([info_w] if info_w is not None else [])
-        argv = self._worker_argv(ctl_in, ctl_out)
+        if server_end is not None:
+            child_fds.append(server_end.fileno())
+        argv = self._worker_argv(ctl_in, ctl_out, server_end.fileno() if server_end else None)
         if self._bwrap is not None and info_w is not None:
-            argv = self._bwrap_argv(info_w) + argv
+            argv = self._bwrap_argv(info_w, forkserver) + argv
             env: dict[str, str] = {}
             cwd = "/"
         else:
@@ -296,10 +341,15 @@ class Launcher:
                     os.close(fd)
             os.close(stdout)
             os.close(stderr)
+            if host_end is not None:
+                host_end.close()
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
             raise
         finally:
+            if server_end is not None:
+                server_end.close()
+                child_fds.pop()
             for fd in child_fds:
                 os.close(fd)
         for fd in (ctl_w, ctl_r, info_r):
@@ -315,10 +365,12 @@ class Launcher:
             workdir=workdir,
             isolation=self.isolation,
             limits=self.limits,
+            requests=host_end,
         )
         # The configuration is the first request; it fits in the pipe buffer, so this
         # returns at once even though the worker is still starting.
-        worker.send(self._worker_config(single), time.monotonic() + self.limits.startup_timeout)
+        config = self._worker_config(single, forkserver)
+        worker.send(config, time.monotonic() + self.limits.startup_timeout)
         return worker
 
     def probe(self) -> None:

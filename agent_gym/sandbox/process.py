@@ -17,6 +17,7 @@ import queue
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -169,6 +170,14 @@ def output_file(name: str) -> int:
     return fd
 
 
+def read_tail(fd: int, limits: Limits) -> tuple[str, int]:
+    """The last ``limits.output_bytes`` of an output file and how many bytes came before."""
+    size = os.fstat(fd).st_size
+    start = max(0, size - limits.output_bytes)
+    data = os.pread(fd, size - start, start)
+    return data.decode("utf-8", errors="replace"), start
+
+
 TIMEOUT = object()
 
 
@@ -196,8 +205,10 @@ class WorkerProcess:
         workdir: str | None,
         isolation: Isolation,
         limits: Limits,
+        requests: socket.socket | None = None,
     ) -> None:
         self.popen = popen
+        self.requests = requests
         self.pidfd = os.pidfd_open(popen.pid)
         self.isolation = isolation
         self.limits = limits
@@ -210,6 +221,7 @@ class WorkerProcess:
         self._info = b""
         self._info_done = False
         self._inner_pidfd: int | None = None
+        self.inner_pid: int | None = None
         self._killed = False
         self._closed = False
         self._teardown = threading.Lock()
@@ -301,6 +313,7 @@ class WorkerProcess:
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             if children:
                 self._inner_pidfd = os.pidfd_open(int(children[0]))
+                self.inner_pid = int(children[0])
 
     def _await_inner_pidfd(self, timeout: float) -> None:
         """A worker killed while still starting: wait (briefly) until bwrap says which pid
@@ -318,13 +331,13 @@ class WorkerProcess:
         for fd in (self._stdout, self._stderr):
             os.ftruncate(fd, 0)
 
+    @property
+    def output_files(self) -> tuple[int, int]:
+        return self._stdout, self._stderr
+
     def read_output(self, which: Literal["stdout", "stderr"]) -> tuple[str, int]:
         """The tail of one stream and how many bytes before it were dropped."""
-        fd = self._stdout if which == "stdout" else self._stderr
-        size = os.fstat(fd).st_size
-        start = max(0, size - self.limits.output_bytes)
-        data = os.pread(fd, size - start, start)
-        return data.decode("utf-8", errors="replace"), start
+        return read_tail(self._stdout if which == "stdout" else self._stderr, self.limits)
 
     def exit_description(self) -> str:
         """Why a worker died, in words a model can act on."""
@@ -380,6 +393,8 @@ class WorkerProcess:
         for fd in (self.pidfd, self._ctl_w, self._ctl_r, self._info_r, self._inner_pidfd):
             if fd is not None:
                 os.close(fd)
+        if self.requests is not None:
+            self.requests.close()
 
     def close(self) -> None:
         """Terminate the worker and release its files; idempotent and thread-safe."""

@@ -1,10 +1,13 @@
-"""Running code: stateless calls (optionally from a pool of pre-started workers) and notebooks.
+"""Running code: stateless calls (on a fork-server, or a sandbox each) and notebooks.
 
 A stateless call gets a fresh interpreter that runs exactly one cell and is then killed, so
-nothing leaks from one call to the next; the pool only moves the ~25 ms start of bwrap and
-the interpreter off the call's critical path. A stateful sandbox keeps one persistent worker
-per episode, like a notebook kernel; when a cell times out or kills its interpreter the
-worker is replaced and the result says plainly that the state was lost.
+nothing leaks from one call to the next. By default it is a freshly forked, fully isolated
+child of a warm sandboxed interpreter (``forkserver``: a few ms, and the math stack already
+imported); the per-call engine starts a bwrap sandbox and an interpreter for every call,
+and its pool only moves that ~25 ms start off the call's critical path. A stateful
+sandbox keeps one persistent worker per episode, like a notebook kernel; when a cell times
+out or kills its interpreter the worker is replaced and the result says plainly that the
+state was lost.
 """
 
 from __future__ import annotations
@@ -15,80 +18,20 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import replace
 
-from agent_gym.sandbox.config import MAX_CODE_BYTES, Limits, SandboxError
+from agent_gym.sandbox.config import Limits, SandboxError, encode_code
+from agent_gym.sandbox.forkserver import ForkServer
 from agent_gym.sandbox.launch import Launcher
 from agent_gym.sandbox.process import TIMEOUT, WorkerProcess, reaper, spawner
+from agent_gym.sandbox.result import ExecResult, Status, collect
 
 log = logging.getLogger(__name__)
-
-Status = Literal["ok", "error", "timeout", "crashed"]
-STATE_LOST = (
-    "The interpreter was restarted: all variables, functions and imports from earlier "
-    "cells are lost."
-)
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What one call produced.
-
-    ``status``: ``ok``; ``error`` (the cell raised; the interpreter lives on); ``timeout``
-    (stopped at the wall-time limit); ``crashed`` (the interpreter died: CPU limit, a
-    signal, ``os._exit``). ``error`` names the exception or the cause of death. Output is
-    the tail of each stream; ``*_omitted`` counts the bytes dropped before it.
-    ``observation()`` is deterministic (no timings), so replays compare equal.
-    """
-
-    status: Status
-    stdout: str = ""
-    stderr: str = ""
-    error: str | None = None
-    stdout_omitted: int = 0
-    stderr_omitted: int = 0
-    output_capped: bool = False
-    timeout: float = 0.0
-    duration: float = 0.0
-    state_lost: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def observation(self) -> str:
-        """The text a model sees: stdout, then stderr, then what went wrong."""
-        parts: list[str] = []
-        for text, omitted in (
-            (self.stdout, self.stdout_omitted),
-            (self.stderr, self.stderr_omitted),
-        ):
-            if omitted:
-                parts.append(f"[... {omitted} earlier bytes of output omitted ...]\n")
-            if text:
-                parts.append(text if text.endswith("\n") else text + "\n")
-        notes: list[str] = []
-        if self.output_capped:
-            notes.append("[output stopped: the output size limit was reached]")
-        if self.status == "timeout":
-            notes.append(
-                f"TimeoutError: the code ran longer than {self.timeout:g} s and was stopped."
-            )
-        elif self.status == "crashed":
-            notes.append(f"The Python interpreter died: {self.error}.")
-        if self.state_lost:
-            notes.append(STATE_LOST)
-        text = "".join(parts) + "\n".join(notes)
-        return text.rstrip("\n") if text.strip() else "(no output)"
 
 
 def _execute(launcher: Launcher, worker: WorkerProcess, code: str, timeout: float) -> ExecResult:
     """Send one cell to ``worker`` and collect its result; the worker may be left dead."""
-    if not isinstance(code, str):
-        raise TypeError(f"code must be a str, got {type(code).__name__}")
-    if len(code.encode("utf-8", errors="surrogatepass")) > MAX_CODE_BYTES:
-        raise ValueError(f"code is longer than {MAX_CODE_BYTES} bytes")
+    encode_code(code)
     limits = launcher.limits
     worker.clear_output()
     sent = worker.send({"code": code}, time.monotonic() + limits.startup_timeout + timeout)
@@ -108,23 +51,7 @@ def _execute(launcher: Launcher, worker: WorkerProcess, code: str, timeout: floa
         worker.wait_exit(1.0)  # read its own exit status before a kill overwrites it
         status, error = "crashed", worker.exit_description()
         worker.terminate()
-    stdout, stdout_omitted = worker.read_output("stdout")
-    stderr, stderr_omitted = worker.read_output("stderr")
-    capped = (
-        max(stdout_omitted + len(stdout.encode()), stderr_omitted + len(stderr.encode()))
-        >= limits.file_bytes
-    )
-    return ExecResult(
-        status=status,
-        stdout=stdout,
-        stderr=stderr,
-        error=error,
-        stdout_omitted=stdout_omitted,
-        stderr_omitted=stderr_omitted,
-        output_capped=capped,
-        timeout=timeout,
-        duration=duration,
-    )
+    return collect(status, error, worker.output_files, limits, timeout, duration)
 
 
 def _timeout(limits: Limits, timeout: float | None) -> float:
@@ -138,17 +65,23 @@ def _timeout(limits: Limits, timeout: float | None) -> float:
 class StatelessSandbox:
     """Every call runs in a fresh sandboxed interpreter that is killed right after it.
 
-    With ``pool_size > 0`` that many workers are kept started ahead of time (each still
-    serves exactly one call) and replaced in the background. Thread-safe.
+    With a ``forkserver`` (``engine == "forkserver"``) each call is a freshly forked, fully
+    isolated child of one warm sandboxed interpreter (see ``forkserver``). Otherwise
+    (``engine == "per-call"``) each call starts a bwrap sandbox and an interpreter of its
+    own; with ``pool_size > 0`` that many are kept started ahead of time (each still serves
+    exactly one call) and replaced in the background. Thread-safe.
     """
 
     mode = "stateless"
 
-    def __init__(self, launcher: Launcher, *, pool_size: int = 0) -> None:
+    def __init__(
+        self, launcher: Launcher, *, pool_size: int = 0, forkserver: ForkServer | None = None
+    ) -> None:
         if not isinstance(pool_size, int) or pool_size < 0:
             raise ValueError(f"pool_size must be a non-negative int, got {pool_size!r}")
         self.launcher = launcher
-        self.pool_size = pool_size
+        self.forkserver = forkserver
+        self.pool_size = 0 if forkserver is not None else pool_size
         self._idle: deque[WorkerProcess] = deque()
         self._pending = 0
         self._retiring: set[Future[None]] = set()
@@ -161,6 +94,10 @@ class StatelessSandbox:
     def isolation(self) -> str:
         return self.launcher.isolation
 
+    @property
+    def engine(self) -> str:
+        return "per-call" if self.forkserver is None else "forkserver"
+
     def reset(self) -> None:
         """Nothing to drop: no call sees another's state. (Same interface as the notebook.)"""
         if self._closed:
@@ -168,6 +105,10 @@ class StatelessSandbox:
 
     def run(self, code: str, *, timeout: float | None = None) -> ExecResult:
         seconds = _timeout(self.launcher.limits, timeout)
+        if self.forkserver is not None:
+            if self._closed:
+                raise SandboxError("this sandbox is closed")
+            return self.forkserver.run(code, seconds)
         worker = self._acquire()
         try:
             return _execute(self.launcher, worker, code, seconds)
@@ -231,6 +172,8 @@ class StatelessSandbox:
             self._closed = True
             idle, self._idle = list(self._idle), deque()
             retiring, spawning = list(self._retiring), list(self._spawning)
+        if self.forkserver is not None:
+            self.forkserver.close()
         for worker in idle:
             worker.close()
         wait(retiring)
@@ -313,16 +256,40 @@ def open_sandbox(
     pool_size: int = 0,
     preload: Sequence[str] = (),
     python: str | None = None,
+    forkserver: bool | None = None,
 ) -> StatelessSandbox | StatefulSandbox:
     """A sandbox in ``mode`` ('stateless' or 'stateful'), checked to start on this host.
+
+    Stateless calls run on a fork-server when the isolation is bwrap (``forkserver=None``
+    or ``True``); ``forkserver=False`` starts a fresh bwrap sandbox per call instead
+    (optionally pre-started: ``pool_size``), which is also the fallback, with a warning in
+    the log, when the fork-server cannot start here (``forkserver=True`` raises instead).
+    Both give every call the same isolation.
 
     Raises ``IsolationUnavailableError`` when bwrap cannot run, unless the caller opted in to
     ``isolation='rlimits'`` (which warns, and reports itself through ``.isolation``).
     """
     if mode not in ("stateless", "stateful"):
         raise ValueError(f"mode must be 'stateless' or 'stateful', got {mode!r}")
+    if forkserver and (mode != "stateless" or isolation != "bwrap"):
+        raise ValueError("forkserver=True needs mode='stateless' and isolation='bwrap'")
     launcher = Launcher(isolation=isolation, limits=limits, python=python, preload=preload)
     launcher.probe()
+    if mode == "stateless" and isolation == "bwrap" and forkserver is not False:
+        server = ForkServer(launcher)
+        try:
+            server.start()
+        except SandboxError as err:
+            server.close()
+            if forkserver:
+                raise
+            log.warning(
+                "the sandbox fork-server cannot start here (%s); every stateless "
+                "call starts a sandbox of its own instead",
+                err,
+            )
+        else:
+            return StatelessSandbox(launcher, forkserver=server)
     if mode == "stateful":
         if pool_size:
             raise ValueError("pool_size applies to the stateless mode only")

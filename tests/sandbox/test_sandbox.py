@@ -71,8 +71,8 @@ def test_stateless_calls_share_nothing_and_replay_identically(stateless: Statele
 
 
 def test_pool_serves_each_worker_once_and_refills(tmp_path: Path) -> None:
-    box = open_sandbox("stateless", limits=LIMITS, pool_size=2)
-    assert isinstance(box, StatelessSandbox)
+    box = open_sandbox("stateless", limits=LIMITS, pool_size=2, forkserver=False)
+    assert isinstance(box, StatelessSandbox) and box.engine == "per-call"
     try:
         pids = set()
         for _ in range(4):

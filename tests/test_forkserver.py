@@ -1,0 +1,339 @@
+"""The fork-server: no call leaves anything for the next, and a broken server is replaced.
+
+Every stateless call is a child forked from one warm sandboxed interpreter, so these tests
+change everything a call could change and check that the next call sees none of it; run
+calls side by side and check they cannot reach each other; and kill, stop and trace the
+server from the host to check it is replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent_gym.sandbox import Limits, SandboxError, StatelessSandbox, open_sandbox, runner
+from agent_gym.sandbox.forkserver import ForkServer
+
+LIMITS = Limits(timeout=10.0, cpu_seconds=5, memory_bytes=256 << 20, output_bytes=8192)
+
+
+def _uid_nobody_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            if "\nUid:\t65534\t" in status and "\nState:\tZ" not in status:
+                pids.add(int(entry.name))
+    return pids
+
+
+def _wait_until(predicate: object, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nothing_left_when_done() -> Iterator[None]:
+    before = _uid_nobody_pids()
+    yield
+    assert _wait_until(lambda: not _uid_nobody_pids() - before), _uid_nobody_pids() - before
+
+
+@pytest.fixture(scope="module")
+def box() -> Iterator[StatelessSandbox]:
+    sandbox = open_sandbox("stateless", limits=LIMITS, forkserver=True)
+    assert isinstance(sandbox, StatelessSandbox) and sandbox.engine == "forkserver"
+    yield sandbox
+    sandbox.close()
+
+
+def _ok(box: StatelessSandbox, code: str) -> str:
+    result = box.run(textwrap.dedent(code))
+    assert result.ok, result.observation()
+    return result.stdout
+
+
+LEAVE_TRACES = """
+    import builtins, gc, json, math, os, random, resource, signal, subprocess, sys, threading
+    import time, types
+    open('/tmp/left', 'w').write('x')
+    open('/dev/shm/left', 'w').write('x')
+    os.mkdir('/tmp/dir')
+    os.environ['LEFT'] = '1'
+    os.putenv('LEFT_TOO', '1')
+    math.sqrt = lambda x: 42
+    json.dumps = None
+    builtins.left = 1
+    sys.modules['left_module'] = types.ModuleType('left_module')
+    sys.path.append('/left')
+    signal.signal(signal.SIGTERM, lambda *a: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    signal.alarm(100)
+    os.chdir('/')
+    os.umask(0o777)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (20, 20))
+    random.seed(5)
+    gc.disable()
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    subprocess.Popen(['sleep', '73.1234'], start_new_session=True)
+    if os.fork() == 0:
+        os.setsid()
+        os.execvp('sleep', ['sleep', '73.1234'])
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    print('shm', libc.shmget(0x4747, 4096, 0o1666))
+    print('done')
+"""
+
+FIND_TRACES = """
+    import builtins, gc, json, math, os, random, resource, signal, sys, threading
+    found = []
+    found += [p for p in ('/tmp/left', '/dev/shm/left', '/tmp/dir') if os.path.exists(p)]
+    found += [k for k in ('LEFT', 'LEFT_TOO') if k in os.environ]
+    if math.sqrt(4) != 2.0 or json.dumps is None:
+        found.append('monkeypatched module')
+    if hasattr(builtins, 'left') or 'left_module' in sys.modules or '/left' in sys.path:
+        found.append('interpreter state')
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        found.append('SIGTERM handler')
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        found.append('SIGINT handler')
+    if signal.pthread_sigmask(signal.SIG_BLOCK, ()):
+        found.append('blocked signals')
+    if signal.alarm(0):
+        found.append('pending alarm')
+    if os.getcwd() != '/tmp':
+        found.append('cwd ' + os.getcwd())
+    if os.umask(0o022) != 0o022:
+        found.append('umask')
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] == 20:
+        found.append('rlimit')
+    if random.random() != random.Random(0).random():
+        found.append('random state')
+    if not gc.isenabled():
+        found.append('gc disabled')
+    if threading.active_count() != 1:
+        found.append('threads')
+    pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+    if pids != [1]:
+        found.append(f'processes {pids}')
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.shmget(0x4747, 0, 0) != -1 or open('/proc/sysvipc/shm').read().count('\\n') > 1:
+        found.append('SysV shared memory')
+    print(found)
+"""
+
+
+def test_a_call_leaves_nothing_for_the_next(box: StatelessSandbox) -> None:
+    before = _ok(box, FIND_TRACES)
+    assert before == "[]\n"  # the check itself finds nothing on a clean call
+    traces = _ok(box, LEAVE_TRACES)
+    assert "done" in traces and "shm -1" not in traces, traces
+    for _ in range(3):  # whichever spare serves the next calls
+        assert _ok(box, FIND_TRACES) == "[]\n"
+    assert _wait_until(lambda: not _marked("73.1234")), "background processes outlived the call"
+
+
+def test_the_check_for_traces_can_fail(box: StatelessSandbox) -> None:
+    """Within one call the traces are all there: the check above is not vacuous."""
+    both = textwrap.dedent(LEAVE_TRACES) + textwrap.dedent(FIND_TRACES)
+    found = box.run(both)
+    assert found.ok, found.observation()
+    for trace in ("/tmp/left", "LEFT", "monkeypatched", "SIGTERM", "blocked", "alarm", "umask"):
+        assert trace in found.stdout, (trace, found.stdout)
+
+
+def _marked(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_side_by_side_calls_cannot_reach_each_other(box: StatelessSandbox) -> None:
+    listener = """
+        import socket, time
+        s = socket.socket(socket.AF_UNIX)
+        s.bind('\\0agent-gym-side-by-side')
+        s.listen()
+        open('/tmp/mine', 'w').write('a')
+        time.sleep(6)
+    """
+    results = {}
+    thread = threading.Thread(target=lambda: results.update(a=box.run(textwrap.dedent(listener))))
+    thread.start()
+    probe = """
+        import errno, os, signal, socket, time
+        seen = 'nothing'
+        end = time.monotonic() + 5
+        while time.monotonic() < end and seen == 'nothing':
+            try:
+                socket.socket(socket.AF_UNIX).connect('\\0agent-gym-side-by-side')
+                seen = 'CONNECTED'
+            except PermissionError:
+                seen = 'blocked'
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        print(seen, sorted(p for p in os.listdir('/proc') if p.isdigit()))
+        print(os.path.exists('/tmp/mine'))
+        try:
+            os.kill(-1, signal.SIGKILL)  # all it may signal: nothing, outside its own tree
+        except ProcessLookupError:
+            print('nothing to kill')
+    """
+    seen = _ok(box, probe).splitlines()
+    thread.join()
+    assert seen[0] == "blocked ['1']", seen
+    assert seen[1:] == ["False", "nothing to kill"]
+    assert results["a"].ok, results["a"].observation()  # the kill(-1) did not reach it
+    assert box.forkserver is not None and box.forkserver.restarts == 0
+
+
+def test_a_call_holds_no_privilege_and_cannot_create_namespaces(box: StatelessSandbox) -> None:
+    out = _ok(
+        box,
+        """
+        import ctypes, os
+        status = dict(l.split(':\\t') for l in open('/proc/self/status').read().splitlines())
+        print(status['CapEff'].strip(), status['CapBnd'].strip(), status['NoNewPrivs'].strip())
+        libc = ctypes.CDLL(None, use_errno=True)
+        for flag in (0x10000000, 0x20000, 0x40000000):  # user, mount, network
+            print(libc.unshare(flag), ctypes.get_errno() != 0)
+        print(os.getuid(), os.getgid(), os.getsid(0) == os.getpid())
+        for path in ('/proc/sys/user/max_user_namespaces', '/proc/sys/kernel/hostname',
+                     '/proc/sys/net/core/somaxconn', '/proc/sysrq-trigger'):
+            try:
+                open(path, 'w').write('1')
+                print('WROTE', path)
+            except OSError as exc:
+                print(type(exc).__name__)
+        """,
+    )
+    lines = out.splitlines()
+    assert lines[0] == "0000000000000000 0000000000000000 1", lines
+    assert lines[1:4] == ["-1 True"] * 3, lines
+    assert lines[4] == "65534 65534 True"
+    assert not [line for line in lines[5:] if line.startswith("WROTE")], lines
+
+
+def test_code_cannot_forge_a_sandbox_fault(box: StatelessSandbox) -> None:
+    forged = box.run(
+        "import os\nfor fd in range(3, 64):\n    try: os.write(fd, b'fault x\\n')\n    except OSError: pass"
+    )
+    assert forged.status in ("ok", "crashed"), forged  # its own outcome, never a SandboxError
+
+
+def test_the_math_stack_is_warm_and_memory_is_the_codes_own(box: StatelessSandbox) -> None:
+    out = _ok(
+        box,
+        """
+        import time
+        start = time.perf_counter()
+        import numpy, sympy
+        print(time.perf_counter() - start < 0.05, numpy.random.rand() == numpy.random.rand())
+        keep = bytearray(200 << 20)
+        print(sympy.factorint(2**32 + 1))
+        """,
+    )
+    assert out.splitlines() == ["True False", "{641: 1, 6700417: 1}"], out
+    assert box.run("x = bytearray(300 << 20)").error == "MemoryError"
+    replay = "import numpy\nprint(numpy.random.randint(10**9))"
+    assert box.run(replay).stdout == box.run(replay).stdout  # seeded like random
+
+
+def _server_pid(box: StatelessSandbox) -> int:
+    assert box.forkserver is not None and box.forkserver._server is not None
+    return box.forkserver._server.pid
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+
+
+def test_a_server_that_dies_is_replaced(box: StatelessSandbox) -> None:
+    assert box.forkserver is not None
+    restarts = box.forkserver.restarts
+    dead = _server_pid(box)
+    os.kill(dead, signal.SIGKILL)
+    assert _wait_until(lambda: "\nState:\tZ" in _status(dead) or not _status(dead))
+    assert _ok(box, "print('after')") == "after\n"
+    assert box.forkserver.restarts == restarts + 1
+    # A server that dies under a running call: the call runs again on a fresh server.
+    results = {}
+    code = "import os, time\ntime.sleep(3)\nprint(os.getpid())"
+    thread = threading.Thread(target=lambda: results.update(r=box.run(code)))
+    thread.start()
+    time.sleep(1.0)
+    os.kill(_server_pid(box), signal.SIGKILL)
+    thread.join()
+    assert results["r"].ok and results["r"].stdout == "1\n", results["r"].observation()
+    assert box.forkserver.restarts == restarts + 2
+
+
+def test_a_stopped_or_traced_server_is_replaced(box: StatelessSandbox) -> None:
+    assert box.forkserver is not None
+    restarts = box.forkserver.restarts
+    stopped = _server_pid(box)
+    os.kill(stopped, signal.SIGSTOP)
+    assert _wait_until(lambda: "(stopped)" in _status(stopped))
+    assert _ok(box, "print(1)") == "1\n"
+    assert box.forkserver.restarts == restarts + 1 and _server_pid(box) != stopped
+    libc = ctypes.CDLL(None, use_errno=True)
+    traced = _server_pid(box)
+    ptrace_seize, wait_all = 0x4206, 0x40000000
+    assert libc.ptrace(ptrace_seize, traced, None, None) == 0, ctypes.get_errno()
+    assert _ok(box, "print(2)") == "2\n"
+    assert box.forkserver.restarts == restarts + 2 and _server_pid(box) != traced
+    # As its tracer, this process must reap the killed server, or its sandbox cannot end.
+    deadline = time.monotonic() + 10
+    while os.waitpid(traced, os.WNOHANG | wait_all)[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_closed_forkserver_refuses_calls() -> None:
+    with open_sandbox("stateless", limits=LIMITS) as sandbox:
+        assert isinstance(sandbox, StatelessSandbox) and sandbox.engine == "forkserver"
+    with pytest.raises(SandboxError, match="closed"):
+        sandbox.run("1")
+
+
+def test_without_a_forkserver_stateless_calls_still_run_isolated(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def refuse(self: ForkServer) -> None:
+        raise SandboxError("no fork-server on this host")
+
+    monkeypatch.setattr(ForkServer, "start", refuse)
+    with open_sandbox("stateless", limits=LIMITS) as sandbox:
+        assert isinstance(sandbox, StatelessSandbox) and sandbox.engine == "per-call"
+        assert sandbox.run("import os\nprint(os.getuid())").stdout == "65534\n"
+    assert "cannot start here" in caplog.text
+    with pytest.raises(SandboxError, match="no fork-server"):
+        open_sandbox("stateless", limits=LIMITS, forkserver=True)
+    with pytest.raises(ValueError, match="forkserver=True"):
+        runner.open_sandbox("stateful", forkserver=True)
