@@ -188,7 +188,10 @@ class SessionPool:
             )
         self._reserved += 1
         try:
-            env = await self.run(gymnasium.make, self.config.env_id, **self.config.env_kwargs)
+            # No passive env checker: it is a development aid, and a refused first reset
+            # (a bad task index) would leave it unable to check the next one.
+            env = await self.run(gymnasium.make, self.config.env_id, disable_env_checker=True,
+                                 **self.config.env_kwargs)
         except Exception as exc:
             log.exception("building %s failed", self.config.env_id)
             raise ProtocolError(
@@ -528,15 +531,17 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def websocket_session(websocket: WebSocket) -> None:
         await websocket.accept()
         if not authorized(websocket.headers):
-            await send_error(websocket, ProtocolError(UNAUTHORIZED, "missing or wrong bearer "
-                                                      "token"))
-            await websocket.close(code=1008)
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+                await send_error(websocket, ProtocolError(UNAUTHORIZED, "missing or wrong "
+                                                          "bearer token"))
+                await websocket.close(code=1008)
             return
         try:
             session = await pool.open()
         except ProtocolError as exc:
-            await send_error(websocket, exc)
-            await websocket.close()
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+                await send_error(websocket, exc)
+                await websocket.close()
             return
         try:
             await serve_frames(websocket, pool, session, config.max_request_bytes)
@@ -544,7 +549,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             pass
         finally:
             await pool.close(session)
-            with contextlib.suppress(RuntimeError):
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
                 await websocket.close()
 
     return app
