@@ -17,6 +17,7 @@ env's do; callers that want concurrency run them in threads, one env per thread.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -71,10 +72,11 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
         self.action_space = UnicodeText(MAX_ACTION_CHARS)
         headers = {"Authorization": f"Bearer {token}"} if token else None
         self._timeout = timeout
-        self._socket: ClientConnection | None = connect(
+        self._connection = contextlib.ExitStack()
+        self._socket: ClientConnection | None = self._connection.enter_context(connect(
             self.url, open_timeout=timeout, additional_headers=headers, max_size=None,
             compression=None,
-        )
+        ))
 
     def _call(self, kind: str, data: dict[str, Any] | None = None) -> dict[str, Any]:
         if self._socket is None:
@@ -127,11 +129,9 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
 
     def close(self) -> None:
         if self._socket is not None:
-            try:
+            with contextlib.suppress(ConnectionClosed):
                 self._socket.send(json.dumps({"type": "close"}))
-            except ConnectionClosed:
-                pass
-            self._socket.close()
+            self._connection.close()
             self._socket = None
         super().close()
 
