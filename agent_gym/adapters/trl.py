@@ -24,15 +24,14 @@ starting the task, so every member of a GRPO group starts from the identical poi
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import gymnasium
 
+from agent_gym.adapters import tool_call_text
 from agent_gym.core import TextEnv
 from agent_gym.state import EnvState
-from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 _JSON_TYPES: dict[str, type] = {
     "string": str, "integer": int, "number": float, "boolean": bool, "array": list,
@@ -94,12 +93,6 @@ class AgentGymTRLEnv:
         if final_reply is not None and not self._done and self._env is not None:
             self._act(final_reply)
         return self._total_reward
-
-
-def tool_call_text(name: str, arguments: Mapping[str, Any]) -> str:
-    """A tool call in the Hermes/Qwen JSON form every agent_gym tool env parses."""
-    call = json.dumps({"name": name, "arguments": dict(arguments)}, ensure_ascii=False)
-    return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
 
 
 def _tool_method(schema: Mapping[str, Any]) -> Callable[..., str]:
