@@ -11,19 +11,19 @@ import pytest
 
 pytest.importorskip("tinker_cookbook")
 
-import tinker  # noqa: E402
-from pytrio import ModelInput, SamplingParams  # noqa: E402
-from tinker_cookbook.completers import StopCondition, TokenCompleter, TokensWithLogprobs  # noqa: E402
-from tinker_cookbook.rl.rollouts import do_group_rollout  # noqa: E402
-from tinker_cookbook.rl.types import TrajectoryGroup  # noqa: E402
+import tinker
+from pytrio import ModelInput, SamplingParams
+from tinker_cookbook.completers import StopCondition, TokenCompleter, TokensWithLogprobs
+from tinker_cookbook.rl.rollouts import do_group_rollout
+from tinker_cookbook.rl.types import TrajectoryGroup
 
-from agent_gym.adapters.tinker import (  # noqa: E402
+from agent_gym.adapters.tinker import (
     AgentGymEnvGroupBuilder,
     AgentGymRLDataset,
     reply_text,
 )
-from trainers.backends.local import LocalServiceClient  # noqa: E402
-from trainers.models import smollm2_tokenizer_dir  # noqa: E402
+from trainers.backends.local import LocalServiceClient
+from trainers.models import smollm2_tokenizer_dir
 
 
 class LocalTokenCompleter(TokenCompleter):
