@@ -12,7 +12,7 @@ pytest.importorskip("datasets")
 
 from transformers.utils import get_json_schema  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl.chat_template_utils import add_response_schema, qwen3_chat_template  # noqa: E402
+from trl.chat_template_utils import add_response_schema, parse_response, qwen3_chat_template  # noqa: E402
 
 from agent_gym.adapters.trl import env_reward, trl_dataset, trl_environment  # noqa: E402
 from agent_gym.state import EnvState  # noqa: E402
@@ -70,13 +70,20 @@ def test_search_tools_are_typed_methods_trl_can_call(tmp_path: Any) -> None:
     assert schema["parameters"]["properties"]["query"]["type"] == "string"
     assert schema["parameters"]["required"] == ["query"]
 
-    # TRL's own parser turns the model's text into the call it makes on the env.
+    # TRL's own parser turns the model's tokens into the call it makes on the env.
     tokenizer = add_response_schema(tool_tokenizer())
-    reply = ('<tool_call>\n{"name": "search", "arguments": {"query": "Caldmoor founded"}}\n'
-             "</tool_call><|im_end|>")
-    call = tokenizer.parse_response(reply)["tool_calls"][0]["function"]
     env = env_cls()
     env.reset(task_id="q000")
+    row = trl_dataset("agent_gym/Search-v0", task_ids=["q000"], max_turns=4)[0]
+    prompt = tokenizer.apply_chat_template(row["prompt"], tools=[env.search], tokenize=False,
+                                           add_generation_prompt=True)
+    reply = ('<tool_call>\n{"name": "search", "arguments": {"query": "Caldmoor founded"}}\n'
+             "</tool_call><|im_end|>")
+    parsed = parse_response(tokenizer, tokenizer.encode(reply, add_special_tokens=False),
+                            prefix=tokenizer.encode(prompt, add_special_tokens=False),
+                            tools=[env.search])
+    call = parsed["tool_calls"][0]["function"]
+    assert call == {"name": "search", "arguments": {"query": "Caldmoor founded"}}
     observation = getattr(env, call["name"])(**call["arguments"])
     assert "Doc 1" in observation
 
