@@ -35,6 +35,7 @@ import logging
 import secrets
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ OPENENV_VERSION_MATCHED = "openenv-core 0.3.0"
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+MAX_REAPED_IDS = 10_000
 T = TypeVar("T")
 
 # OpenEnv's WSErrorCode values, plus two of ours for restore and authentication.
@@ -163,7 +165,9 @@ class SessionPool:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.sessions: dict[str, Session] = {}
-        self.reaped: set[str] = set()
+        # Ids of reaped sessions, so a late client is told why its session is gone;
+        # bounded, oldest forgotten first.
+        self.reaped: OrderedDict[str, None] = OrderedDict()
         self._reserved = 0
         # One thread per possible session: a slow env (a sandboxed cell, an ALFWorld
         # planner) must not hold up the others.
@@ -239,7 +243,9 @@ class SessionPool:
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 if now - session.last_active > timeout and not session.lock.locked():
-                    self.reaped.add(session.session_id)
+                    self.reaped[session.session_id] = None
+                    while len(self.reaped) > MAX_REAPED_IDS:
+                        self.reaped.popitem(last=False)
                     await self.close(session)
 
     async def shutdown(self) -> None:

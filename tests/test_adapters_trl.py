@@ -108,3 +108,44 @@ def test_state_rows_restore_the_same_point_for_every_group_member() -> None:
         member.reset(**row)
         assert member._env.unwrapped.save_state() == state
     assert [m._finish("Answer: 970") for m in members] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("env_id, kwargs", [
+    ("agent_gym/GSM8K-v0", {"max_turns": 1}),
+    ("agent_gym/CodeInterpreter-v0", {"max_turns": 4}),
+    ("agent_gym/Search-v0", {"max_turns": 5}),
+    ("agent_gym/ALFWorld-v0", {"max_turns": 12}),
+])
+def test_the_oracle_wins_through_the_adapter_methods(env_id: str, kwargs: dict) -> None:
+    """Each oracle tool call, parsed as TRL would hand it over, runs through the named
+    method; the final reply goes through env_reward; the env's win reaches the reward."""
+    import gymnasium
+
+    from agent_gym.tools import parse_tool_call
+
+    env_cls = trl_environment(env_id, **kwargs)
+    probe = gymnasium.make(env_id, **kwargs)
+    first_task = probe.unwrapped.tasks[0].task_id
+    probe.close()
+    row = trl_dataset(env_id, task_ids=[first_task], **kwargs)[0]
+    env = env_cls()
+    env.reset(**row)
+    oracle = env._last_info["privileged"]["oracle_actions"]
+    specs = [schema["function"] for schema in env._last_info["tools"]]
+    final = None
+    for action in oracle:
+        call = parse_tool_call(action, _specs(specs)) if specs else None
+        if call is None:
+            final = action
+            break
+        getattr(env, call.name)(**call.arguments)
+    completion = [{"role": "assistant", "content": final}] if final is not None else \
+        [{"role": "tool", "content": "..."}]
+    assert env_reward([completion], [env]) == [pytest.approx(1.0)]
+    assert env._done
+
+
+def _specs(functions: list[dict]) -> list:
+    from agent_gym.tools import ToolSpec
+
+    return [ToolSpec(f["name"], f["description"], f["parameters"]) for f in functions]

@@ -188,7 +188,9 @@ def _final_reply(completion: Any) -> str | None:
 def trl_dataset(env_id: str, *, task_ids: Iterable[str] | None = None,
                 states: Iterable[EnvState] | None = None, **env_kwargs: Any) -> Any:
     """A ``datasets.Dataset`` for the env: one row per task (``prompt``, ``task_id``,
-    ``state=None``), or one per saved state, whose ``prompt`` is the chat up to that point."""
+    ``state=None``), or one per saved state, whose ``prompt`` is the chat up to that point.
+    Each row costs one reset (the prompt is the env's opening), so pass ``task_ids`` to
+    build a subset of a large or slow-to-reset env."""
     from datasets import Dataset
 
     env = gymnasium.make(env_id, **env_kwargs)
