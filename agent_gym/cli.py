@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import EntryPoint, entry_points
+from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,20 @@ import gymnasium
 
 import agent_gym
 from agent_gym.alfworld import cli as alfworld_cli
-from agent_gym.eval import EvalConfig, evaluate, format_table
+from agent_gym.alfworld.games import GameError
+from agent_gym.data import DataError
+from agent_gym.eval import (
+    ERRORS_FILE,
+    EvalConfig,
+    RunMismatchError,
+    Summary,
+    evaluate,
+    format_table,
+)
 from agent_gym.policies import make_policy
+from agent_gym.render import TemplateError
 from agent_gym.search import cli as search_cli
+from agent_gym.state import EnvState, StateError
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,15 @@ SUITES: dict[str, list[SuiteEntry]] = {
 SUITE_POLICIES = ["oracle", "local"]
 
 
+class UserError(Exception):
+    """A mistake in what the user asked for: printed as one line, exit status 2."""
+
+
+# What a user's typo or setting can raise; anything else is an internal error whose
+# traceback is worth seeing. ``--debug`` shows tracebacks for these too.
+USER_ERRORS = (UserError, StateError, RunMismatchError, DataError, GameError, TemplateError)
+
+
 def _list_envs(_: argparse.Namespace) -> int:
     for env_id in sorted(k for k in gymnasium.registry if k.startswith("agent_gym/")):
         print(env_id)
@@ -66,11 +86,49 @@ def _list_envs(_: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    with open(args.state, encoding="utf-8") as handle:
-        env, observation, info = agent_gym.make_from_state(handle.read())
+    state = _read_state(Path(args.state), args.episode)
+    env, observation, info = agent_gym.make_from_state(state)
     print(json.dumps({"turn": info["turn"], "observation": observation}, ensure_ascii=False))
     env.close()
     return 0
+
+
+def _read_state(path: Path, episode: int | None) -> EnvState:
+    """A state file, or (``--episode N``) the final state of episode N of an eval log."""
+    if not path.is_file():
+        raise UserError(f"{path} does not exist (or is not a file)")
+    text = path.read_text(encoding="utf-8")
+    records = _eval_records(text)
+    if records is None:
+        if episode is not None:
+            raise UserError(f"--episode reads an eval log (episodes.jsonl); {path} is not one")
+        return EnvState.from_json(text)
+    if episode is None:
+        numbers = sorted(records)
+        raise UserError(
+            f"{path} is an eval log with {len(records)} episodes; pick one with --episode N "
+            f"(N from {numbers[0]} to {numbers[-1]})" if numbers else f"{path} holds no episodes"
+        )
+    if episode not in records:
+        raise UserError(f"{path} holds no finished episode {episode}")
+    return EnvState.from_dict(records[episode]["final_state"])
+
+
+def _eval_records(text: str) -> dict[int, dict[str, Any]] | None:
+    """The episodes of an ``episodes.jsonl`` by number, or None when ``text`` is not one."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if len(lines) < 1:
+        return None
+    records: dict[int, dict[str, Any]] = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        if not (isinstance(record, dict) and "final_state" in record and "episode" in record):
+            return None
+        records[int(record["episode"])] = record
+    return records
 
 
 def _env_arg(text: str) -> tuple[str, Any]:
@@ -87,17 +145,49 @@ def _env_factory(config: EvalConfig, ray_address: str | None) -> Any:
     """Envs in this process, or (``--ray``) each in a Ray actor on the cluster."""
     if ray_address is None:
         return None
-    from agent_gym.distributed import remote_env_factory
+    from agent_gym.distributed import ensure_ray, remote_env_factory
 
+    try:
+        ensure_ray(None if ray_address == "local" else ray_address)
+    except ConnectionError as err:
+        raise UserError(
+            f"no Ray cluster at {ray_address!r} ({err}); start one with `ray start --head`, "
+            "or pass a bare --ray for a Ray inside this process"
+        ) from err
     return remote_env_factory(config.env_id, config.env_kwargs, ray_address)
+
+
+def _probe_env(env_id: str, env_kwargs: dict[str, Any], policy_spec: str) -> None:
+    """Build the env once (and reset it) before anything is written to the run directory,
+    so a typo fails here, cleanly, instead of leaving a run of something that cannot run."""
+    try:
+        env = gymnasium.make(env_id, **env_kwargs)
+    except gymnasium.error.Error as err:  # an unknown id: keeps Gymnasium's "did you mean"
+        raise UserError(str(err)) from err
+    except (TypeError, ValueError, ImportError, OSError) as err:
+        raise UserError(f"cannot build {env_id} with {env_kwargs}: {err}") from err
+    try:
+        _, info = env.reset(seed=0)
+    finally:
+        env.close()
+    if policy_spec == "random" and not info.get("admissible_actions"):
+        raise UserError(
+            f"--policy random picks among admissible actions, and {env_id} lists none; "
+            "use it with ALFWorld-v0"
+        )
 
 
 def _eval(args: argparse.Namespace) -> int:
     if (args.env_id is None) == (args.suite is None):
-        raise SystemExit("agent-gym eval: give either an ENV_ID or --suite NAME")
+        raise UserError("give either an ENV_ID or --suite NAME")
     if args.suite is not None:
         if args.suite not in SUITES:
-            raise SystemExit(f"unknown suite {args.suite!r}; known: {sorted(SUITES)}")
+            raise UserError(f"unknown suite {args.suite!r}; known: {', '.join(sorted(SUITES))}")
+        if args.env_arg or args.split is not None:
+            raise UserError(
+                "--env-arg and --split do not apply to a suite (each of its envs has its own "
+                "settings); evaluate one ENV_ID to change them"
+            )
         plan = SUITES[args.suite]
         policies = args.policy or SUITE_POLICIES
     else:
@@ -106,9 +196,18 @@ def _eval(args: argparse.Namespace) -> int:
             kwargs["split"] = args.split
         plan = [SuiteEntry(args.env_id, kwargs, args.episodes or 10, args.episodes or 10)]
         policies = args.policy or ["oracle"]
-    summaries = []
+    if len(set(policies)) != len(policies):
+        raise UserError("a --policy is given twice")
+    for entry in plan:
+        for policy_spec in policies:
+            if args.episodes or entry.episodes_for(policy_spec):
+                _probe_env(entry.env_id, entry.env_kwargs, policy_spec)
+    runs: list[tuple[Summary, Path]] = []
     for policy_spec in policies:
-        policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens)
+        try:
+            policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens)
+        except ValueError as err:
+            raise UserError(str(err)) from err
         for entry in plan:
             episodes = args.episodes or entry.episodes_for(policy_spec)
             if episodes == 0:
@@ -116,14 +215,25 @@ def _eval(args: argparse.Namespace) -> int:
             config = EvalConfig(entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs)
             out_dir = Path(args.out)
             if args.suite is not None:
-                run_name = policy_spec.replace("/", "_").replace(":", "_")
-                out_dir = out_dir / entry.env_id.removeprefix("agent_gym/") / run_name
-            summaries.append(asyncio.run(
+                out_dir = out_dir / entry.env_id.removeprefix("agent_gym/") / _run_name(policy_spec)
+            elif len(policies) > 1:
+                out_dir = out_dir / _run_name(policy_spec)
+            summary = asyncio.run(
                 evaluate(config, policy, out_dir, concurrency=args.concurrency,
                          progress=not args.quiet, make_env=_env_factory(config, args.ray))
-            ))
-    print(format_table(summaries))
-    return 0
+            )
+            runs.append((summary, out_dir))
+    print(format_table([summary for summary, _ in runs]))
+    failed = [(s, out) for s, out in runs if s.episodes == 0 and s.errors]
+    for summary, out_dir in failed:
+        print(f"agent-gym eval: every episode of {summary.env_id} / {summary.policy} failed; "
+              f"the first: {summary.first_error} (all in {out_dir / ERRORS_FILE})",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _run_name(policy_spec: str) -> str:
+    return policy_spec.replace("/", "_").replace(":", "_")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -187,38 +297,58 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
         prog="agent-gym",
         description="Text environments for LLM agents: list and replay them, benchmark policies on "
         "them, build their search indexes and games, and train on them.",
+        epilog="`agent-gym COMMAND --help` explains a command. User errors print one line; "
+        "--debug (before the command) shows the traceback instead.",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"agent-gym {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser("envs", help="list the registered environments").set_defaults(
         run=_list_envs
     )
-    replay = commands.add_parser("replay", help="restore a saved EnvState JSON and verify it")
-    replay.add_argument("state", help="path to a state saved with EnvState.to_json()")
+    replay = commands.add_parser(
+        "replay", help="restore a saved state and verify every observation",
+        description="Rebuild the env a state was saved from, replay its actions and check each "
+        "observation against the state's digests; print the restored turn and observation.",
+    )
+    replay.add_argument(
+        "state", help="a state saved with EnvState.to_json(), or an eval run's episodes.jsonl "
+        "(with --episode)",
+    )
+    replay.add_argument("--episode", type=int, default=None, metavar="N",
+                        help="with an episodes.jsonl: replay the final state of episode N")
     replay.set_defaults(run=_replay)
 
     evaluation = commands.add_parser(
         "eval", help="benchmark a policy on an env (or a suite), resumable",
-        description="Run episodes concurrently, log each to DIR/episodes.jsonl (resumable), "
-        "and print a summary table.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Run episodes concurrently, log each to OUT/episodes.jsonl (rerun the same "
+        "command to resume), and print a summary table with 95%% intervals.",
     )
-    evaluation.add_argument("env_id", nargs="?", help="e.g. agent_gym/GSM8K-v0")
-    evaluation.add_argument("--suite", help=f"run a suite instead: {', '.join(SUITES)}")
+    evaluation.add_argument("env_id", nargs="?", help="e.g. agent_gym/GSM8K-v0 (see `envs`)")
+    evaluation.add_argument("--suite", help=f"run a suite of envs instead: {', '.join(SUITES)}")
     evaluation.add_argument(
-        "--policy", action="append",
-        help="oracle | random | openai:MODEL@BASE_URL[#text] | local[:MODEL]; repeatable",
+        "--policy", action="append", metavar="SPEC",
+        help="repeatable; oracle | random | openai:MODEL@BASE_URL[#text] | "
+        "local[:MODEL][@CHECKPOINT] (MODEL: smollm2, tiny or a HF directory) | "
+        "pytrio:MODEL[@CHECKPOINT]; default: oracle (a suite: oracle and local)",
     )
-    evaluation.add_argument("--episodes", type=int, default=None)
-    evaluation.add_argument("--concurrency", type=int, default=4)
-    evaluation.add_argument("--out", required=True, help="run directory (resumed if it exists)")
+    evaluation.add_argument("--episodes", type=int, default=None,
+                            help="episodes per env (default: 10, or the suite's counts)")
+    evaluation.add_argument("--concurrency", type=int, default=4, help="episodes at once")
+    evaluation.add_argument("--out", required=True,
+                            help="run directory (resumed if it holds the same run)")
     evaluation.add_argument("--split", help="data split, passed to the env as split=")
     evaluation.add_argument("--seed", type=int, default=0, help="episode i plays seed+i")
     evaluation.add_argument("--max-tokens", type=int, default=256, help="per model reply")
     evaluation.add_argument("--env-arg", type=_env_arg, action="append", default=[],
-                            metavar="KEY=VALUE", help="env constructor argument (JSON value)")
+                            metavar="KEY=VALUE",
+                            help="env constructor argument, VALUE as JSON (else a string)")
     evaluation.add_argument("--quiet", action="store_true", help="no progress bar")
     evaluation.add_argument(
         "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
-        help="step envs in Ray actors: a local Ray, or the cluster at ADDRESS (e.g. auto)",
+        help="step envs in Ray actors: a bare --ray starts a local Ray; ADDRESS joins a "
+        "cluster (e.g. auto)",
     )
     evaluation.set_defaults(run=_eval)
     search_cli.register(commands)
@@ -227,6 +357,13 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     for point in plugins:
         point.load()(commands)
     return parser
+
+
+def _version() -> str:
+    try:
+        return version("agent-gym")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _plugins_for(argv: Sequence[str]) -> list[EntryPoint]:
@@ -242,8 +379,19 @@ def _plugins_for(argv: Sequence[str]) -> list[EntryPoint]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(_plugins_for(argv)).parse_args(argv)
-    return int(args.run(args))
+    parser = build_parser(_plugins_for(argv))
+    args = parser.parse_args(argv)
+    if args.command is None:  # `agent-gym` alone: the overview
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args))
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        message = " ".join(str(err).split()) or type(err).__name__
+        print(f"agent-gym {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -4,20 +4,27 @@
 task from a seed or from options, counting turns (so no ``TimeLimit`` wrapper is needed,
 which would miscount after a restore), recording the action history with a digest of every
 observation, and restoring a saved state by replaying that history on a fresh task while
-checking each observation. Subclasses only describe their task: how an episode opens
-(``_start``) and what one action does (``_step``).
+checking each observation. It also owns the rules every env shares, so envs cannot drift
+apart on them: an invalid step earns ``-invalid_penalty``; running out of turns truncates the
+episode (never terminates it), and an env with right/wrong outcomes (``OutcomeEnv``) scores
+that as ``reward_incorrect``; an env whose engine can snapshot itself cheaply restores from a
+bounded cache of snapshots instead of replaying, still checking every observation.
+Subclasses only describe their task: how an episode opens (``_start``), what one action
+does (``_step``) and, optionally, how to snapshot (``_snapshot``, ``_restore_snapshot``).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
 import multiprocessing
 import os
 import string
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import gymnasium
@@ -123,9 +130,12 @@ class Opening:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Transition:
-    """What one action did. ``role`` is the chat role of the message the env answers with."""
+    """What one action did, as the env's task logic sees it: ``reward`` before the base's
+    rules (invalid penalty, running out of turns) are applied. ``role`` is the chat role of
+    the message the env answers with. Frozen, because the base keeps transitions to hand
+    them out again on a snapshot restore."""
 
     observation: str
     reward: float = 0.0
@@ -133,6 +143,16 @@ class Transition:
     invalid: bool = False
     role: str = "tool"
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A point this env reached: its engine snapshot there and every transition on the way
+    from the task's start, as ``_step`` returned them (the base's rules are applied again
+    when they are replayed, so they are applied exactly once)."""
+
+    snapshot: object
+    transitions: tuple[Transition, ...]
 
 
 class TextEnv(gymnasium.Env[str, str]):
@@ -143,10 +163,20 @@ class TextEnv(gymnasium.Env[str, str]):
     what makes replay a faithful restore. Every argument a subclass's constructor receives is
     recorded (see ``__init_subclass__``) so a saved state can rebuild an identical env
     elsewhere; constructor arguments must therefore be JSON values.
+
+    Fast restore: an env whose engine can snapshot itself cheaply implements ``_snapshot``
+    and ``_restore_snapshot``. The base then keeps, per task and action prefix this instance
+    has played, the engine snapshot and the transitions on the way (least recently used
+    first out, at most ``snapshot_cache_size``). A restore jumps to the deepest cached
+    prefix of the state's actions and replays only the rest; the cached transitions go
+    through the same bookkeeping and digest check as replayed ones, so a state whose
+    observations differ still fails at the step that differs. The restore's info says how
+    many steps a snapshot skipped (``snapshot_depth``) out of ``restored_depth``.
     """
 
     env_id: ClassVar[str] = ""
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
+    snapshot_cache_size: int = 1024  # snapshots kept per env instance
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Record each env's constructor arguments, so no env can forget one in its states.
@@ -185,6 +215,7 @@ class TextEnv(gymnasium.Env[str, str]):
         tasks: Sequence[Task],
         *,
         max_turns: int,
+        invalid_penalty: float = 0.0,
         max_action_chars: int = MAX_ACTION_CHARS,
         render_mode: str | None = None,
     ) -> None:
@@ -199,6 +230,7 @@ class TextEnv(gymnasium.Env[str, str]):
         if len(self._task_index) != len(self.tasks):
             raise ValueError("task ids must be unique")
         self.max_turns = max_turns
+        self.invalid_penalty = invalid_penalty
         self.max_action_chars = max_action_chars
         self.render_mode = render_mode
         self.__dict__.setdefault("_env_kwargs", {})
@@ -209,7 +241,9 @@ class TextEnv(gymnasium.Env[str, str]):
         self._actions: list[str] = []
         self._digests: list[str] = []
         self._transcript: list[str] = []
+        self._path: list[Transition] = []  # this episode's transitions as _step gave them
         self._done = False
+        self._prefix_cache: OrderedDict[tuple[str, tuple[str, ...]], _Prefix] = OrderedDict()
 
     # ----------------------------------------------------------------- subclass hooks
     def _start(self, task: Task) -> Opening:
@@ -221,17 +255,28 @@ class TextEnv(gymnasium.Env[str, str]):
     def _close(self) -> None:
         """Release engines, sandboxes or connections; called by ``close``."""
 
-    def _fast_forward(self, state: EnvState) -> list[Transition]:
-        """Optional faster restore: called during a restore right after ``_start``.
+    def _out_of_turns(self, last: Transition) -> Transition:
+        """The last allowed turn ended without ending the episode, which is truncated.
 
-        An env that can jump its engine straight to the end of a leading run of
-        ``state.actions`` (a snapshot it took itself while playing exactly this task and these
-        actions) does so and returns the transitions those actions produced; the base class
-        records them and checks each against ``state.digests`` as if replayed, then replays
-        the remaining actions through ``_step``. Return only transitions whose observation
-        digests match the state's; [] (the default) means a full replay.
+        Return ``last`` as it should count (``dataclasses.replace`` it); the default leaves
+        it as it is.
         """
-        return []
+        return last
+
+    def _snapshot(self) -> object | None:
+        """The engine's whole state now, as an object ``_restore_snapshot`` can jump back
+        to, or None (the default) when the env cannot snapshot and restores by replay.
+
+        Called after every step, so it must be cheap; it must capture everything ``_step``
+        depends on, and the object must not change afterwards.
+        """
+        return None
+
+    def _restore_snapshot(self, snapshot: object) -> bool:
+        """Put the engine where ``_snapshot`` returned ``snapshot``; called right after
+        ``_start`` of the same task. Return False when the snapshot can no longer be used
+        (say, the engine has loaded another game since), and the base replays instead."""
+        return False
 
     # ----------------------------------------------------------------- gymnasium API
     @property
@@ -275,26 +320,64 @@ class TextEnv(gymnasium.Env[str, str]):
             )
         else:
             result = self._step(action)
-        return self._advance(action, result)
+        outcome = self._advance(action, result)
+        self._remember()
+        return outcome
 
     def _advance(
         self, action: str, result: Transition
     ) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        """Record one action and what it did; the bookkeeping half of ``step``."""
-        if len(result.observation) > MAX_OBSERVATION_CHARS:  # stay inside observation_space
-            result.observation = result.observation[:MAX_OBSERVATION_CHARS]
+        """Record one action and what it did, applying the rules every env shares; the
+        bookkeeping half of ``step``, also run on the transitions a snapshot restore reuses.
+
+        ``result`` is kept as it is for restores, so what is handed out is built from it
+        (the info deep-copied): a caller that edits its info cannot change a later restore.
+        """
+        self._path.append(result)
+        truncated = not result.terminated and self.turn + 1 >= self.max_turns
+        if truncated:
+            result = self._out_of_turns(result)
+        observation = result.observation[:MAX_OBSERVATION_CHARS]  # inside observation_space
+        reward = float(result.reward) - (self.invalid_penalty if result.invalid else 0.0)
         self._actions.append(action)
-        self._digests.append(digest(result.observation))
-        self._transcript.append(result.observation)
-        truncated = not result.terminated and self.turn >= self.max_turns
+        self._digests.append(digest(observation))
+        self._transcript.append(observation)
         self._done = result.terminated or truncated
         info = {
-            **result.info,
-            "message": {"role": result.role, "content": result.observation},
+            **copy.deepcopy(result.info),
+            "message": {"role": result.role, "content": observation},
             "invalid": result.invalid,
             "turn": self.turn,
         }
-        return result.observation, float(result.reward), result.terminated, truncated, info
+        return observation, reward, result.terminated and not truncated, truncated, info
+
+    def _remember(self) -> None:
+        """Cache the engine's snapshot after the current action prefix, if it takes any."""
+        snapshot = self._snapshot()
+        if snapshot is None or self.snapshot_cache_size < 1:
+            return
+        key = (self.task.task_id, tuple(self._actions))
+        self._prefix_cache[key] = _Prefix(snapshot, tuple(self._path))
+        self._prefix_cache.move_to_end(key)
+        while len(self._prefix_cache) > self.snapshot_cache_size:
+            self._prefix_cache.popitem(last=False)
+
+    def _jump(self, state: EnvState) -> tuple[Transition, ...]:
+        """Restore the snapshot after the longest cached prefix of the state's actions and
+        return the transitions on the way there; () when there is none to use."""
+        if not self._prefix_cache:
+            return ()
+        for depth in range(len(state.actions), 0, -1):
+            key = (state.task_id, state.actions[:depth])
+            prefix = self._prefix_cache.get(key)
+            if prefix is None:
+                continue
+            if not self._restore_snapshot(prefix.snapshot):
+                del self._prefix_cache[key]  # stale: a shallower one may still be good
+                continue
+            self._prefix_cache.move_to_end(key)
+            return prefix.transitions
+        return ()
 
     def render(self) -> str | None:
         if self.render_mode != "ansi":
@@ -350,7 +433,7 @@ class TextEnv(gymnasium.Env[str, str]):
         observation = opening.observation
         info: dict[str, Any] = {}
         history: list[dict[str, Any]] = []
-        ahead = self._fast_forward(state) if state.actions else []
+        ahead = self._jump(state)
         for step_index, action in enumerate(state.actions, start=1):
             if self._done:
                 raise StateMismatchError(
@@ -369,6 +452,7 @@ class TextEnv(gymnasium.Env[str, str]):
         # The chat after the opening messages, so a restored branch can rebuild its prompt.
         restored["history"] = history
         restored["restored_depth"] = state.depth
+        restored["snapshot_depth"] = len(ahead)  # of those steps, how many a snapshot skipped
         return observation, restored
 
     @staticmethod
@@ -399,6 +483,7 @@ class TextEnv(gymnasium.Env[str, str]):
     def _begin(self, task: Task) -> Opening:
         self._task = task
         self._actions = []
+        self._path = []
         self._done = False
         opening = self._start(task)
         self._digests = [digest(opening.observation)]
@@ -414,6 +499,45 @@ class TextEnv(gymnasium.Env[str, str]):
             "privileged": opening.privileged,
             "turn": self.turn,
         }
+
+
+class OutcomeEnv(TextEnv):
+    """A TextEnv whose episodes end right or wrong: an answer graded, a game won.
+
+    The two outcome rewards are arguments of every such env (1/0 and +1/-1 schemes are a
+    matter of configuration), and an episode whose turns run out before an outcome scores
+    ``reward_incorrect`` on its last step, marked ``info["no_answer"]``: stalling is never
+    worth more than a wrong answer.
+    """
+
+    def __init__(
+        self,
+        tasks: Sequence[Task],
+        *,
+        max_turns: int,
+        reward_correct: float = 1.0,
+        reward_incorrect: float = 0.0,
+        invalid_penalty: float = 0.0,
+        max_action_chars: int = MAX_ACTION_CHARS,
+        render_mode: str | None = None,
+    ) -> None:
+        super().__init__(
+            tasks,
+            max_turns=max_turns,
+            invalid_penalty=invalid_penalty,
+            max_action_chars=max_action_chars,
+            render_mode=render_mode,
+        )
+        self.reward_correct = reward_correct
+        self.reward_incorrect = reward_incorrect
+
+    def _outcome(self, correct: bool) -> float:
+        return self.reward_correct if correct else self.reward_incorrect
+
+    def _out_of_turns(self, last: Transition) -> Transition:
+        return replace(
+            last, reward=last.reward + self.reward_incorrect, info={**last.info, "no_answer": True}
+        )
 
 
 def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> tuple[int, int]:

@@ -55,20 +55,25 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class Summary:
+    """A run's figures; those a run with no finished episode cannot have are None (``null``
+    in JSON, which has no NaN)."""
+
     env_id: str
     policy: str
     episodes: int
     errors: int
-    success_rate: float
+    success_rate: float | None
     success_low: float
     success_high: float
-    mean_reward: float
-    mean_turns: float
+    mean_reward: float | None
+    mean_turns: float | None
     mean_tokens: float | None
-    latency_p50: float
-    latency_p95: float
+    latency_p50: float | None
+    latency_p95: float | None
     # Generated stand-in data (the bundled ALFWorld games): never a benchmark number.
     synthetic: bool = False
+    cut_replies: int = 0
+    first_error: str | None = None
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -83,16 +88,18 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float | None:
     ordered = sorted(values)
     if not ordered:
-        return math.nan
+        return None
     rank = (len(ordered) - 1) * q
     low, high = math.floor(rank), math.ceil(rank)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def summarize(config: EvalConfig, records: list[dict[str, Any]], errors: int) -> Summary:
+def summarize(
+    config: EvalConfig, records: list[dict[str, Any]], errors: int, first_error: str | None = None
+) -> Summary:
     n = len(records)
     successes = sum(bool(r["success"]) for r in records)
     low, high = wilson_interval(successes, n)
@@ -103,15 +110,17 @@ def summarize(config: EvalConfig, records: list[dict[str, Any]], errors: int) ->
         policy=config.policy,
         episodes=n,
         errors=errors,
-        success_rate=successes / n if n else math.nan,
+        success_rate=successes / n if n else None,
         success_low=low,
         success_high=high,
-        mean_reward=statistics.fmean(r["reward"] for r in records) if n else math.nan,
-        mean_turns=statistics.fmean(r["turns"] for r in records) if n else math.nan,
+        mean_reward=statistics.fmean(r["reward"] for r in records) if n else None,
+        mean_turns=statistics.fmean(r["turns"] for r in records) if n else None,
         mean_tokens=statistics.fmean(tokens) if tokens else None,
         latency_p50=percentile(latencies, 0.5),
         latency_p95=percentile(latencies, 0.95),
         synthetic=any(r.get("synthetic", False) for r in records),
+        cut_replies=sum(r.get("end_reason") == "max_tokens" for r in records),
+        first_error=first_error,
     )
 
 
@@ -123,15 +132,19 @@ def format_table(summaries: Sequence[Summary]) -> str:
         rows.append((
             s.env_id.removeprefix("agent_gym/") + (" (synthetic data)" if s.synthetic else ""),
             s.policy, str(s.episodes),
-            f"{s.success_rate:.2f} [{s.success_low:.2f}, {s.success_high:.2f}]",
-            f"{s.mean_reward:.3f}", f"{s.mean_turns:.1f}",
-            "-" if s.mean_tokens is None else f"{s.mean_tokens:.0f}",
-            f"{s.latency_p50:.2f}/{s.latency_p95:.2f}", str(s.errors),
+            _figure(s.success_rate, ".2f") + f" [{s.success_low:.2f}, {s.success_high:.2f}]",
+            _figure(s.mean_reward, ".3f"), _figure(s.mean_turns, ".1f"),
+            _figure(s.mean_tokens, ".0f"),
+            f"{_figure(s.latency_p50, '.2f')}/{_figure(s.latency_p95, '.2f')}", str(s.errors),
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 class RunLog:
@@ -154,6 +167,7 @@ class RunLog:
         self._errors_path = out_dir / ERRORS_FILE
         self._errors_path.unlink(missing_ok=True)  # errored episodes are retried on resume
         self.errors = 0
+        self.first_error: str | None = None
 
     @staticmethod
     def _recover(path: Path) -> dict[int, dict[str, Any]]:
@@ -183,9 +197,9 @@ class RunLog:
 
     def write_error(self, episode: int, error: BaseException) -> None:
         self.errors += 1
-        _append_durably(
-            self._errors_path, {"episode": episode, "error": f"{type(error).__name__}: {error}"}
-        )
+        text = f"{type(error).__name__}: {error}"
+        self.first_error = self.first_error or text
+        _append_durably(self._errors_path, {"episode": episode, "error": text})
 
 
 def _append_durably(path: Path, record: dict[str, Any]) -> None:
@@ -207,17 +221,23 @@ async def play_episode(
     total_reward, invalid, turns = 0.0, 0, 0
     prompt_tokens: int | None = 0
     completion_tokens: int | None = 0
-    done = False
-    while not done:
+    end_reason = ""
+    while not end_reason:
         reply = await policy.act(PolicyInput(list(messages), tools, turns, privileged, info))
-        _, reward, terminated, truncated, info = await asyncio.to_thread(env.step, reply.text)
-        messages += [{"role": "assistant", "content": reply.text}, info["message"]]
-        total_reward += float(reward)
-        invalid += bool(info.get("invalid"))
-        turns += 1
-        done = terminated or truncated
+        messages.append({"role": "assistant", "content": reply.text})
         prompt_tokens = _add(prompt_tokens, reply.prompt_tokens)
         completion_tokens = _add(completion_tokens, reply.completion_tokens)
+        turns += 1
+        if reply.cut:
+            # As in training: an unfinished reply is never shown to the env, so a reply cut
+            # mid-thought can never be scored as an answer.
+            end_reason = "max_tokens"
+            break
+        _, reward, terminated, truncated, info = await asyncio.to_thread(env.step, reply.text)
+        messages.append(info["message"])
+        total_reward += float(reward)
+        invalid += bool(info.get("invalid"))
+        end_reason = "terminated" if terminated else "truncated" if truncated else ""
     state = env.unwrapped.save_state()
     return {
         "episode": episode,
@@ -226,7 +246,8 @@ async def play_episode(
         "synthetic": synthetic,
         "reward": total_reward,
         "success": total_reward > 0,
-        "terminated": bool(terminated),
+        "terminated": end_reason == "terminated",
+        "end_reason": end_reason,
         "turns": turns,
         "invalid_actions": invalid,
         "prompt_tokens": prompt_tokens,
@@ -298,6 +319,6 @@ async def evaluate(
     finally:
         bar.close()
     finished = [log.records[i] for i in sorted(log.records) if i < config.episodes]
-    summary = summarize(config, finished, log.errors)
+    summary = summarize(config, finished, log.errors, log.first_error)
     (out_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2), encoding="utf-8")
     return summary

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call
 
 
 class PolicyError(RuntimeError):
@@ -60,9 +60,12 @@ class PolicyInput:
 
 @dataclass
 class Reply:
+    """The assistant's text; ``cut`` when a token budget stopped it before it ended."""
+
     text: str
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cut: bool = False
 
 
 class Policy(Protocol):
@@ -158,12 +161,14 @@ class OpenAIChatPolicy:
             body["messages"] = _text_tool_messages(observation.messages, observation.tools)
         payload = await self._post("/chat/completions", body)
         try:
-            message = payload["choices"][0]["message"]
+            choice = payload["choices"][0]
+            message = choice["message"]
             text = _tool_calls_as_text(message.get("content") or "", message.get("tool_calls"))
         except (KeyError, IndexError, TypeError) as err:
             raise PolicyError(f"malformed chat completion: {str(payload)[:200]}") from err
         usage = payload.get("usage") or {}
-        return Reply(text, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+        return Reply(text, usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                     cut=choice.get("finish_reason") == "length")
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         problem = ""
@@ -259,12 +264,8 @@ def _tool_calls_as_text(content: str, tool_calls: list[dict[str, Any]] | None) -
     parts = [content.strip()] if content.strip() else []
     for call in tool_calls or []:
         function = call["function"]
-        # Arguments arrive as a JSON string; keep it verbatim so the env judges it.
-        raw = function.get("arguments") or "{}"
-        parts.append(
-            f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(function["name"])}, "arguments": {raw}}}\n'
-            f"{TOOL_CALL_CLOSE}"
-        )
+        # Arguments arrive as a JSON string; format_tool_call keeps it verbatim for the env.
+        parts.append(format_tool_call(function["name"], function.get("arguments") or "{}"))
     return "\n".join(parts)
 
 

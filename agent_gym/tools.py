@@ -59,6 +59,19 @@ class ToolCall:
     arguments: dict[str, Any]
 
 
+def format_tool_call(name: str, arguments: Mapping[str, Any] | str) -> str:
+    """The Hermes/Qwen text of one call, laid out as the chat templates render it (the
+    JSON on its own line between the tags), so scripted replies look like a model's.
+
+    ``arguments`` given as a string is JSON a model wrote (an OpenAI ``tool_calls`` entry):
+    it is kept verbatim, so the env's parser, not this formatter, judges it.
+    """
+    raw = arguments if isinstance(arguments, str) else json.dumps(dict(arguments),
+                                                                   ensure_ascii=False)
+    payload = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {raw}}}'
+    return f"{TOOL_CALL_OPEN}\n{payload}\n{TOOL_CALL_CLOSE}"
+
+
 def parse_tool_call(text: str, tools: Sequence[ToolSpec]) -> ToolCall | None:
     """Parse the single tool call that ends ``text``; None when there is no call at all.
 

@@ -58,7 +58,7 @@ def wander(env: ALFWorldEnv, depth: int, seed: int) -> list[str]:
     commands: list[str] = []
     for _ in range(depth):
         command = rng.choice(info["admissible_actions"])
-        _, _, terminated, _, info = env.step(env.format_action(command))
+        _, _, terminated, _, info = env.step(env.protocol.format(command))
         if terminated:
             return wander(env, depth, seed + 1)
         commands.append(command)
@@ -120,7 +120,7 @@ def main() -> None:
     ours = []
     for _ in range(2):
         env.reset(options={"task_id": kitchen.task_id})
-        ours += [timed(lambda c=c: env.step(env.format_action(c))) for c in walkthrough]
+        ours += [timed(lambda c=c: env.step(env.protocol.format(c))) for c in walkthrough]
     results["step"] = {"raw_textworld_ms": median_ms(raw["step"]), "alfworld_v0_ms":
                        median_ms(ours), "ratio": round(statistics.median(ours) /
                                                        statistics.median(raw["step"]), 3)}
@@ -130,7 +130,7 @@ def main() -> None:
     env.reset(options={"task_id": kitchen.task_id})
     states = {}
     for depth, command in enumerate(commands, start=1):
-        env.step(env.format_action(command))
+        env.step(env.protocol.format(command))
         if depth in DEPTHS:
             states[depth] = env.save_state()
     results["restore"] = {}
@@ -139,7 +139,7 @@ def main() -> None:
         fast = [timed(lambda s=state: env.reset(options={"state": s})) for _ in range(5)]
         warm, cold = [], []
         for _ in range(2):
-            env._visited.clear()  # drop the snapshots: the base class replays every action
+            env._prefix_cache.clear()  # drop the snapshots: the base class replays every action
             warm.append(timed(lambda s=state: env.reset(options={"state": s})))
             assert env.render().endswith(expected)
             fresh = gymnasium.make(ENV, split="train", task_types=[4],

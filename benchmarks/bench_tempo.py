@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for the tests' toy model
 
 from tests.tempo_toy import save_value_model  # noqa: E402
-from trainers.tempo import Args, plot, train  # noqa: E402
+from trainers.plot import plot  # noqa: E402
+from trainers.tempo import Args, train  # noqa: E402
 
 KEPT = ("step", "phase", "critic/abs_error_mean", "critic/abs_error_constant",
         "critic/value_corr", "critic/value_mean", "critic/target_mean",

@@ -4,7 +4,7 @@
   continuous and incremental (``Conversation.append``: closing tokens + the new messages)
   vs re-rendering the whole chat with ``apply_chat_template`` (what the seed lab did every
   turn). Both produce identical tokens here (checked), so only the cost differs.
-- datums: ``build_datum`` throughput (datums/s, tokens/s) on multi-turn episodes vs a
+- datums: ``build_datum`` throughput (datums/s, tokens/s) on multi-turn token sequences vs a
   straightforward per-position Python loop building the same Datum.
 
     python benchmarks/bench_trainer.py [--turns 50] [--out benchmarks/results/trainer.json]
@@ -26,7 +26,7 @@ from pathlib import Path
 from pytrio import Datum, ModelInput
 
 from agent_gym.render import ChatRenderer, Conversation
-from trainers.episode import Turn, build_datum
+from trainers.episode import TokenSequence, build_datum
 from trainers.models import load_tokenizer
 
 OPENING = [
@@ -90,18 +90,17 @@ def ratio(last: dict, first: dict, key: str, digits: int) -> float:
     return round(last[key] / first[key], digits)
 
 
-def naive_datum(turns: list[Turn], advantage: float) -> Datum:
+def naive_datum(sequence: TokenSequence, advantage: float) -> Datum:
     """The obvious builder: walk every position in Python, append to lists."""
-    sequence = list(turns[-1].prompt_tokens) + list(turns[-1].completion_tokens)
+    tokens = list(sequence.tokens)
     sampled: dict[int, float] = {}
-    for turn in turns:
-        start = len(turn.prompt_tokens)
-        for offset, logprob in enumerate(turn.logprobs):
-            sampled[start + offset] = logprob
+    for span in sequence.spans:
+        for offset, logprob in enumerate(span.logprobs):
+            sampled[span.start + offset] = logprob
     targets, logprobs, advantages = [], [], []
-    for position in range(1, len(sequence)):
+    for position in range(1, len(tokens)):
         if position in sampled:
-            targets.append(sequence[position])
+            targets.append(tokens[position])
             logprobs.append(sampled[position])
             advantages.append(advantage)
         else:
@@ -109,34 +108,34 @@ def naive_datum(turns: list[Turn], advantage: float) -> Datum:
             logprobs.append(0.0)
             advantages.append(0.0)
     return Datum(
-        model_input=ModelInput.from_ints(sequence[:-1]),
+        model_input=ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={"target_tokens": targets, "logprobs": logprobs, "advantages": advantages},
     )
 
 
-def synthetic_episode(turn_count: int, prompt: int, reply: int, observation: int) -> list[Turn]:
+def synthetic_episode(turn_count: int, prompt: int, reply: int, observation: int) -> TokenSequence:
     tokens = list(range(100, 100 + prompt))
-    turns = []
+    sequence = TokenSequence(tuple(tokens))
     for t in range(turn_count):
         completion = [(7 * t + i) % 40000 + 10 for i in range(reply)]
-        turns.append(Turn(list(tokens), completion, [-0.5] * reply, "stop"))
+        sequence = sequence.extend(tokens, completion, [-0.5] * reply)
         tokens += completion + [(3 * t + i) % 40000 + 10 for i in range(observation)]
-    return turns
+    return sequence
 
 
 def bench_datums(seconds: float) -> dict[str, object]:
     results = {}
     for name, shape in {"1 turn x 512": (1, 256, 512, 0),
                         "10 turns x (150 + 100 obs)": (10, 256, 150, 100)}.items():
-        turns = synthetic_episode(*shape)
-        tokens = len(turns[-1].prompt_tokens) + len(turns[-1].completion_tokens)
-        if naive_datum(turns, 1.0) != build_datum(turns, 1.0):
+        sequence = synthetic_episode(*shape)
+        tokens = len(sequence.tokens)
+        if naive_datum(sequence, 1.0) != build_datum(sequence, 1.0):
             raise AssertionError("the two builders disagree")
         figures = {}
         for label, builder in (("build_datum", build_datum), ("naive_loop", naive_datum)):
             count, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds:
-                builder(turns, 1.0)
+                builder(sequence, 1.0)
                 count += 1
             elapsed = time.perf_counter() - start
             figures[label] = {"datums_per_s": round(count / elapsed, 1),

@@ -17,7 +17,8 @@ from gymnasium.utils.env_checker import check_env
 
 from agent_gym import StateError, StateMismatchError, make_from_state
 from agent_gym.alfworld.games import GameError, bundled_root, find_games
-from agent_gym.envs.alfworld import STEP_TOOL, ALFWorldEnv, canonical
+from agent_gym.envs.alfworld import PROTOCOLS, STEP_TOOL, ALFWorldEnv, canonical
+from agent_gym.protocols import choose_protocol
 from agent_gym.tools import parse_tool_call
 
 ENV = "agent_gym/ALFWorld-v0"
@@ -43,8 +44,7 @@ def make(game: Path = HEAT, **kwargs: object) -> ALFWorldEnv:
 
 
 def call(action: str) -> str:
-    payload = json.dumps({"name": "alfworld_step", "arguments": {"action": action}})
-    return f"<tool_call>\n{payload}\n</tool_call>"
+    return choose_protocol("tool", PROTOCOLS).format(action)
 
 
 @pytest.fixture(scope="module")
@@ -311,16 +311,43 @@ def test_restore_in_the_same_env_jumps_to_snapshots(monkeypatch: pytest.MonkeyPa
     assert steps == []  # no command was replayed
     deepest = states[-1]
     # Shallow snapshots evicted: the deepest one still carries the whole path.
-    for key in [k for k in made._visited if len(k[1]) < 3]:
-        del made._visited[key]
-    made.reset(options={"state": deepest})
+    for key in [k for k in made._prefix_cache if len(k[1]) < 3]:
+        del made._prefix_cache[key]
+    assert made.reset(options={"state": deepest})[1]["snapshot_depth"] == deepest.depth
     assert steps == [] and made.save_state() == deepest
     # Deeper snapshots evicted: jump as far as possible, replay the rest.
-    for key in [k for k in made._visited if len(k[1]) > 3]:
-        del made._visited[key]
+    for key in [k for k in made._prefix_cache if len(k[1]) > 3]:
+        del made._prefix_cache[key]
     observation, info = made.reset(options={"state": deepest})
     assert len(steps) == deepest.depth - 3 and made.save_state() == deepest
+    assert info["snapshot_depth"] == 3
     assert info["admissible_actions"] and info["history"][-1]["content"] == observation
+    made.close()
+
+
+def test_snapshots_of_an_unloaded_game_are_not_used() -> None:
+    whole = gymnasium.make(ENV, task_types=[4]).unwrapped
+    _, info = whole.reset(options={"index": 0})
+    whole.step(call(info["privileged"]["walkthrough"][0]))
+    state = whole.save_state()
+    whole.reset(options={"index": 1})  # loads another game: the engine forgets the first
+    info = whole.reset(options={"state": state})[1]
+    assert info["snapshot_depth"] == 0 and whole.save_state() == state
+    assert whole.reset(options={"state": state})[1]["snapshot_depth"] == 1  # cached again
+    whole.close()
+
+
+def test_a_caller_editing_an_info_does_not_change_later_restores() -> None:
+    made = make()
+    _, info = made.reset()
+    step_info = made.step(call(info["privileged"]["walkthrough"][0]))[4]
+    admissible = list(step_info["admissible_actions"])
+    step_info["admissible_actions"].clear()
+    state = made.save_state()
+    for _ in range(2):
+        restored = made.reset(options={"state": state})[1]
+        assert restored["snapshot_depth"] == 1 and restored["admissible_actions"] == admissible
+        restored["admissible_actions"].clear()
     made.close()
 
 

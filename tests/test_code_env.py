@@ -15,14 +15,15 @@ from gymnasium.utils.env_checker import check_env
 
 from agent_gym import StateMismatchError, make_from_state
 from agent_gym.data import DataError, bundled
+from agent_gym.envs.code import PROTOCOLS
+from agent_gym.protocols import choose_protocol
 from agent_gym.sandbox import STATE_LOST
 
 ENV = "agent_gym/CodeInterpreter-v0"
 
 
 def call(code: str) -> str:
-    payload = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
-    return f"Let me compute.\n<tool_call>{payload}</tool_call>"
+    return choose_protocol("tool", PROTOCOLS).format(code, preface="Let me compute.")
 
 
 @pytest.fixture
@@ -94,6 +95,15 @@ def test_rewards_are_configurable_and_running_out_of_turns_scores_as_wrong(make)
     assert env.step("thinking...")[1:4] == (0.0, False, False)
     _, reward, terminated, truncated, step_info = env.step(call("print(2)"))
     assert (reward, terminated, truncated, step_info["no_answer"]) == (-1.0, False, True, True)
+
+
+def test_two_unanswered_replies_in_two_turns_truncate_with_the_no_answer_reward(make) -> None:
+    env = make(max_turns=2, reward_incorrect=-1.0, invalid_penalty=0.25)
+    env.reset(seed=1)
+    assert env.step("let me think")[1:4] == (-0.25, False, False)
+    _, reward, terminated, truncated, info = env.step("still thinking")
+    assert (terminated, truncated, info["invalid"], info["no_answer"]) == (False, True, True, True)
+    assert reward == -1.25  # the no-answer reward on top of the invalid step's penalty
 
 
 def test_budgets_on_code_calls_and_observation_size(make) -> None:

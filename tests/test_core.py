@@ -87,12 +87,13 @@ def test_turn_budget_truncates_inside_the_env_and_survives_restore() -> None:
             candidate.step("again")
 
 
-def test_gsm8k_grades_the_last_allowed_reply_even_without_an_answer() -> None:
-    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=2)
+def test_gsm8k_running_out_of_turns_truncates_with_the_no_answer_reward() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=2, reward_incorrect=-0.5)
     env.reset(seed=0)
-    assert env.step("hmm")[2:4] == (False, False)
+    assert env.step("hmm")[1:4] == (0.0, False, False)
     _, reward, terminated, truncated, info = env.step("still no answer")
-    assert (reward, terminated, truncated, info["invalid"]) == (0.0, True, False, True)
+    assert (reward, terminated, truncated, info["invalid"]) == (-0.5, False, True, True)
+    assert info["no_answer"] is True
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2, 3, 4])

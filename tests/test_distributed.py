@@ -99,24 +99,38 @@ def test_eval_through_ray_equals_the_single_process_run(tmp_path: Path) -> None:
     assert results(tmp_path / "local") == results(tmp_path / "ray")
 
 
-def test_grpo_rollouts_step_their_envs_in_ray_actors(
+def test_grpo_creates_its_env_actors_once_per_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from trainers.grpo import Args, train
 
+    created: list[RemoteEnv] = []
+    closed: list[RemoteEnv] = []
     remote_resets: list[dict] = []
-    real_reset = RemoteEnv.reset
+    real_init, real_reset, real_close = RemoteEnv.__init__, RemoteEnv.reset, RemoteEnv.close
+
+    def counting_init(self: RemoteEnv, *args: object, **kwargs: object) -> None:
+        created.append(self)
+        real_init(self, *args, **kwargs)
 
     def counting_reset(self: RemoteEnv, **kwargs: object) -> tuple:
         remote_resets.append(kwargs)
         return real_reset(self, **kwargs)
 
+    def counting_close(self: RemoteEnv) -> None:
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(RemoteEnv, "__init__", counting_init)
     monkeypatch.setattr(RemoteEnv, "reset", counting_reset)
+    monkeypatch.setattr(RemoteEnv, "close", counting_close)
     args = Args(
-        env_id=GSM8K, env_kwargs={"max_turns": 2}, model="tiny", lora_rank=4, steps=1,
+        env_id=GSM8K, env_kwargs={"max_turns": 2}, model="tiny", lora_rank=4, steps=3,
         batch_size=2, group_size=2, max_tokens=4, max_trajectory_tokens=512,
         out=str(tmp_path / "grpo"), progress=False, ray="local",
     )
     history = train(args)
-    assert len(history) == 1 and history[0]["step"] == 0
-    assert len(remote_resets) == 4  # every branch (2 tasks x 2) played in a Ray actor
+    assert [row["step"] for row in history] == [0, 1, 2]
+    assert len(remote_resets) == 3 * 4  # every branch (2 tasks x 2) of every step in an actor
+    assert len(created) == 4  # one actor per concurrent branch, for the whole run
+    assert sorted(map(id, closed)) == sorted(map(id, created))  # and all end with the run

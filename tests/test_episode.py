@@ -1,15 +1,18 @@
-"""Episodes to Datums: shifting, masking, continuity and length checks."""
+"""Token sequences to Datums: shifting, masking, continuity, prefixes and length checks."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 from pytrio import Datum
 
-from trainers.episode import DatumError, Episode, Turn, active_tokens, build_datum
+from trainers.episode import DatumError, Episode, Span, TokenSequence, active_tokens, build_datum
 
 # Turn 1: prompt [1 2 3], sampled [4 5]; the env's reply adds [6 7]; turn 2 samples [8 9].
-FIRST = Turn([1, 2, 3], [4, 5], [-0.1, -0.2], "stop")
-SECOND = Turn([1, 2, 3, 4, 5, 6, 7], [8, 9], [-0.3, -0.4], "stop")
+OPENING = TokenSequence((1, 2, 3))
+FIRST = OPENING.extend([1, 2, 3], [4, 5], [-0.1, -0.2])
+BOTH = FIRST.extend([1, 2, 3, 4, 5, 6, 7], [8, 9], [-0.3, -0.4])
 
 
 def columns(datum: Datum) -> tuple[list[int], list[int], list[float], list[float]]:
@@ -22,8 +25,16 @@ def columns(datum: Datum) -> tuple[list[int], list[int], list[float], list[float
     )
 
 
+def test_extending_records_the_sampled_spans() -> None:
+    assert BOTH.tokens == (1, 2, 3, 4, 5, 6, 7, 8, 9)
+    assert BOTH.spans == (Span(3, (-0.1, -0.2)), Span(7, (-0.3, -0.4)))
+    assert [span.end for span in BOTH.spans] == [5, 9]
+    assert BOTH.completion(1) == (8, 9) and BOTH.sampled_tokens == 4
+    assert BOTH.logprob_sum == pytest.approx(-1.0)
+
+
 def test_two_turn_datum_is_shifted_and_masked() -> None:
-    tokens, targets, logprobs, advantages = columns(build_datum([FIRST, SECOND], 0.5))
+    tokens, targets, logprobs, advantages = columns(build_datum(BOTH, 0.5))
     assert tokens == [1, 2, 3, 4, 5, 6, 7, 8]
     assert targets == [-100, -100, 4, 5, -100, -100, 8, 9]
     assert logprobs == pytest.approx([0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4])
@@ -33,40 +44,65 @@ def test_two_turn_datum_is_shifted_and_masked() -> None:
 
 
 def test_datum_types_are_pytrio_tensors() -> None:
-    datum = build_datum([FIRST], -1.0)
+    datum = build_datum(FIRST, -1.0)
     inputs = datum.loss_fn_inputs
     assert inputs["target_tokens"].dtype == "int64"
     assert inputs["logprobs"].dtype == inputs["advantages"].dtype == "float32"
     assert Datum.model_validate(datum.model_dump()) == datum
-    assert active_tokens([datum, build_datum([FIRST, SECOND], 1.0)]) == 2 + 4
+    assert active_tokens([datum, build_datum(BOTH, 1.0)]) == 2 + 4
 
 
-def test_macro_step_treats_earlier_turns_as_context() -> None:
-    _, targets, _, advantages = columns(build_datum([SECOND], 1.0))
+def test_a_resumed_prefix_is_context_only() -> None:
+    resumed = BOTH.prefix(7).as_context().extend([1, 2, 3, 4, 5, 6, 7], [8, 9], [-0.3, -0.4])
+    _, targets, _, advantages = columns(build_datum(resumed, 1.0))
     assert targets == [-100] * 6 + [8, 9]
     assert advantages == [0.0] * 6 + [1.0, 1.0]
 
 
+def test_prefixes_keep_the_spans_inside_them() -> None:
+    assert BOTH.prefix(7) == TokenSequence((1, 2, 3, 4, 5, 6, 7), (Span(3, (-0.1, -0.2)),))
+    assert BOTH.prefix(3).spans == ()
+    assert BOTH.grown_to([*BOTH.tokens, 10, 11]).spans == BOTH.spans
+    with pytest.raises(DatumError, match="split a sampled span"):
+        BOTH.prefix(4)
+    with pytest.raises(DatumError, match="no prefix of 10"):
+        BOTH.prefix(10)
+
+
+def test_scoring_the_sampled_tokens_under_other_logprobs() -> None:
+    logprobs = [None, -9.0, -9.0, -1.0, -2.0, -9.0, -9.0, -3.0, -4.0]
+    assert BOTH.score(logprobs) == -10.0
+    with pytest.raises(DatumError, match="9 tokens"):
+        BOTH.score(logprobs[:-1])
+    with pytest.raises(DatumError, match="no logprob"):
+        BOTH.score([*logprobs[:3], None, *logprobs[4:]])
+
+
 def test_broken_continuity_and_bad_lengths_raise() -> None:
-    rewritten = Turn([1, 2, 3, 4, 99, 6, 7], [8], [-0.5], "stop")
     with pytest.raises(DatumError, match="not token-continuous"):
-        build_datum([FIRST, rewritten], 1.0)
-    with pytest.raises(DatumError, match="2 completion tokens but 1 logprobs"):
-        Turn([1], [2, 3], [-0.1], "stop")
-    with pytest.raises(DatumError, match="non-empty prompt"):
-        Turn([], [2], [-0.1], "stop")
+        FIRST.extend([1, 2, 3, 4, 99, 6, 7], [8], [-0.5])
+    with pytest.raises(DatumError, match="2 tokens but 1 logprobs"):
+        OPENING.extend([1, 2, 3], [4, 5], [-0.1])
     with pytest.raises(DatumError, match="over 5"):
-        build_datum([FIRST, SECOND], 1.0, max_length=5)
-    with pytest.raises(DatumError, match="at least one turn"):
-        build_datum([], 1.0)
+        build_datum(BOTH, 1.0, max_length=5)
+    with pytest.raises(DatumError, match="at least one sampled span"):
+        build_datum(OPENING, 1.0)
     with pytest.raises(DatumError, match="finite"):
-        build_datum([FIRST], float("nan"))
+        build_datum(FIRST, float("nan"))
     with pytest.raises(DatumError, match="logprobs must be finite"):
-        build_datum([Turn([1], [2], [float("-inf")], "stop")], 1.0)
+        OPENING.extend([1, 2, 3], [4], [-math.inf])
+    with pytest.raises(DatumError, match="out of order"):
+        TokenSequence((1, 2, 3), (Span(2, (-0.1, -0.1)),))
+
+
+def test_sequences_round_trip_through_json_values() -> None:
+    assert TokenSequence.from_dict(BOTH.to_dict()) == BOTH
+    with pytest.raises(DatumError, match="spans must be"):
+        TokenSequence.from_dict({"tokens": [1, 2], "spans": [[1, 2]]})
+    with pytest.raises(DatumError, match="tokens must be"):
+        TokenSequence.from_dict({"tokens": [1, "2"], "spans": []})
 
 
 def test_episode_views() -> None:
-    episode = Episode("t", [FIRST, SECOND], reward=1.0, end_reason="terminated")
-    assert episode.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert episode.sampled_tokens == 4
-    assert not SECOND.cut and Turn([1], [2], [-0.1], "length").cut
+    episode = Episode("t", BOTH, reward=1.0, end_reason="terminated")
+    assert episode.turns == 2 and episode.sampled_tokens == 4

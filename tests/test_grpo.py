@@ -1,8 +1,8 @@
-"""GRPO end to end on the local backend: it learns, it resumes, its rollouts keep budgets."""
+"""GRPO end to end on the local backend: it learns, it resumes, it plays the env's turns."""
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -10,17 +10,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-import gymnasium
 import pytest
 
-from agent_gym.render import ChatRenderer
 from tests import grpo_toy
-from trainers.backends.local import LocalServiceClient
+from trainers import grpo
 from trainers.cli import register
-from trainers.episode import build_datum
+from trainers.episode import Episode
 from trainers.grpo import Args, parse_args, train
-from trainers.rollout import RolloutConfig, rollout_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +47,7 @@ def test_grpo_raises_reward_on_a_learnable_task(toy_model: str, tmp_path: Path) 
     assert [json.loads(line)["step"] for line in lines] == list(range(30))
     row = json.loads(lines[-1])
     for key in ("reward_mean", "degenerate_rate", "sampled_tokens", "trained_tokens", "loss",
-                "time_sampler", "time_rollout", "time_train", "end_reasons"):
+                "grad_norm", "time_sampler", "time_rollout", "time_train", "end_reasons"):
         assert key in row
     assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 30
 
@@ -96,50 +94,30 @@ def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
     assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in straight])
 
 
-def test_rollout_never_scores_a_cut_reply(toy_model: str) -> None:
-    service = LocalServiceClient()
-    sampler = service.create_sampling_client(toy_model)
-    renderer = ChatRenderer(sampler.get_tokenizer())
-    config = RolloutConfig(group_size=16, max_turns=2, max_tokens=2, max_trajectory_tokens=64)
-    episodes = asyncio.run(
-        rollout_group(lambda: gymnasium.make(grpo_toy.ENV_ID), {"index": 0}, sampler,
-                      renderer, config, seed=3)
-    )
-    assert len(episodes) == 16
-    cut = [e for e in episodes if e.end_reason == "max_tokens"]
-    assert cut, "with 2 tokens per reply some replies must be cut"
-    for episode in episodes:
-        assert len(episode.turns) <= 2
-        for turn in episode.turns[:-1]:
-            assert renderer.is_finished(turn.completion_tokens)
-        if episode.end_reason == "max_tokens":
-            last = episode.turns[-1]
-            assert last.cut and not renderer.is_finished(last.completion_tokens)
-            assert episode.reward == 0.0
-            # the cut reply was never shown to the env: the transcript ends with it
-            assert episode.messages[-1]["role"] == "assistant"
-        build_datum(episode.turns, 1.0)  # every episode is token-continuous
-    first_prompts = {tuple(e.turns[0].prompt_tokens) for e in episodes}
-    assert len(first_prompts) == 1  # all branches shared the first prompt
+def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(
+    toy_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Search-v0 allows 6 replies; GRPO without --max-turns gives each episode all 6 (the
+    toy model's replies are invalid searches, so episodes run until the env truncates)."""
+    budgets: list[int] = []
+    real = grpo.rollout_groups
 
+    async def recording(*args: Any, **kwargs: Any) -> list[list[Episode]]:
+        budgets.append(args[4].max_turns)
+        return await real(*args, **kwargs)
 
-def test_trajectory_budget_is_respected(toy_model: str) -> None:
-    service = LocalServiceClient()
-    sampler = service.create_sampling_client(toy_model)
-    renderer = ChatRenderer(sampler.get_tokenizer())
-    config = RolloutConfig(group_size=8, max_turns=5, max_tokens=8, max_trajectory_tokens=24)
-    episodes = asyncio.run(
-        rollout_group(lambda: grpo_toy.SayDigitEnv(max_turns=5), {"index": 1}, sampler,
-                      renderer, config, seed=5)
-    )
-    for episode in episodes:
-        assert len(episode.tokens) <= 24
-    too_small = RolloutConfig(group_size=2, max_trajectory_tokens=3)
-    starved = asyncio.run(
-        rollout_group(lambda: grpo_toy.SayDigitEnv(), None, sampler, renderer, too_small)
-    )
-    assert [e.end_reason for e in starved] == ["trajectory_budget"] * 2
-    assert all(not e.turns for e in starved)
+    monkeypatch.setattr(grpo, "rollout_groups", recording)
+    args = parse_args(["--env-id", "agent_gym/Search-v0", "--model", toy_model, "--lora-rank",
+                       "0", "--steps", "1", "--batch-size", "1", "--group-size", "4",
+                       "--max-tokens", "64", "--out", str(tmp_path / "six"), "--no-progress"])
+    assert args.max_turns is None
+    row = train(args)[0]
+    assert budgets == [6]
+    assert "max_turns" not in row["end_reasons"] and row["turns_mean"] > 1
+    budgets.clear()
+    row = train(dataclasses.replace(args, max_turns=2, out=str(tmp_path / "two")))[0]
+    assert budgets == [2]
+    assert set(row["end_reasons"]) <= {"max_turns", "max_tokens"} and row["turns_mean"] <= 2
 
 
 def test_cli_and_argument_errors() -> None:
@@ -155,7 +133,10 @@ def test_cli_and_argument_errors() -> None:
         parse_args(["--backend", "pytrio", "--lora-rank", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--loss", "dpo"])
+    with pytest.raises(SystemExit):
+        parse_args(["--group-size", "0"])
     assert parse_args(["--env-kwargs", '{"max_turns": 3}']).env_kwargs == {"max_turns": 3}
+    assert parse_args(["--max-turns", "3"]).max_turns == 3
 
 
 def test_tempered_sampling_is_refused() -> None:

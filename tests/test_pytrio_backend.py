@@ -101,7 +101,7 @@ def test_rollouts_and_datums_through_pytrio_types(server: FakePytrioServer) -> N
     episodes = asyncio.run(
         rollout_group(lambda: grpo_toy.SayDigitEnv(), {"index": 2}, sampler, renderer, config)
     )
-    datums = [build_datum(e.turns, float(i) - 2) for i, e in enumerate(episodes)]
+    datums = [build_datum(e.sequence, float(i) - 2) for i, e in enumerate(episodes)]
     output = training.forward_backward(datums, "importance_sampling").result()
     assert len(output.loss_fn_outputs) == 5
     assert output.metrics["token_count"] == sum(e.sampled_tokens for e in episodes)
@@ -110,9 +110,9 @@ def test_rollouts_and_datums_through_pytrio_types(server: FakePytrioServer) -> N
         sampled = datum.loss_fn_inputs["logprobs"].data
         assert out["logprobs"].data == pytest.approx(sampled, abs=1e-4)
     training.optim_step(AdamParams(learning_rate=1e-3)).result()
-    prompt = ModelInput.from_ints(episodes[0].tokens)
+    prompt = ModelInput.from_ints(list(episodes[0].sequence.tokens))
     logprobs = sampler.compute_logprobs(prompt).result()
-    assert logprobs[0] is None and len(logprobs) == len(episodes[0].tokens)
+    assert logprobs[0] is None and len(logprobs) == len(episodes[0].sequence.tokens)
 
 
 def test_pytrio_rejects_what_pytrio_rejects(server: FakePytrioServer) -> None:

@@ -13,6 +13,8 @@ from gymnasium.utils.env_checker import check_env
 
 from agent_gym import StateMismatchError, make_from_state
 from agent_gym.data import DataError, bundled
+from agent_gym.envs.search import PROTOCOLS
+from agent_gym.protocols import choose_protocol
 from agent_gym.search import BM25Index, RetrievalServer, bundled_corpus
 from tests.search_fakes import FaultProxy, refused_url
 
@@ -28,9 +30,7 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def search_call(query: str) -> str:
-    return json.dumps({"name": "search", "arguments": {"query": query}}).join(
-        ["Let me look it up.\n<tool_call>", "</tool_call>"]
-    )
+    return choose_protocol("tool", PROTOCOLS).format(query, preface="Let me look it up.")
 
 
 def test_check_env_passes_in_both_protocols() -> None:
@@ -83,6 +83,19 @@ def test_tag_protocol_and_answer_tags() -> None:
     assert (reward, terminated, step_info["em"]) == (1.0, True, True)  # SQuAD normalisation
 
 
+def test_outcome_rewards_are_configurable_and_running_out_of_turns_scores_as_wrong() -> None:
+    env = gymnasium.make(ENV, reward_correct=2.0, reward_incorrect=-1.0, max_turns=2)
+    _, info = env.reset(seed=0)
+    gold = info["privileged"]["answers"][0]
+    assert env.step(f"<answer>{gold}</answer>")[1:3] == (2.0, True)
+    env.reset(seed=0)
+    assert env.step("<answer>certainly not this</answer>")[1:3] == (-1.0, True)
+    env.reset(seed=0)
+    assert env.step(search_call("Orvane"))[1:4] == (0.0, False, False)
+    _, reward, terminated, truncated, info = env.step(search_call("Orvane river"))
+    assert (reward, terminated, truncated, info["no_answer"]) == (-1.0, False, True, True)
+
+
 def test_wrong_answer_scores_zero_with_partial_f1() -> None:
     env = gymnasium.make(ENV)
     qa = next(q for q in bundled("search_qa") if len(q["answers"][0].split()) >= 2)
@@ -109,7 +122,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 def test_malformed_actions_are_invalid_and_penalised(name: str) -> None:
-    env = gymnasium.make(ENV, format_penalty=0.25)
+    env = gymnasium.make(ENV, invalid_penalty=0.25)
     env.reset(seed=0)
     observation, reward, terminated, truncated, info = env.step(MALFORMED[name])
     assert info["invalid"] is True and observation and reward == -0.25

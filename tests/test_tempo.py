@@ -1,10 +1,10 @@
-"""TEMPO: the signal formulas on hand-made numbers, the critic's parser, the state store,
-restored branches, and short end-to-end runs (with resume) on a toy env."""
+"""TEMPO: the signal formulas on hand-made numbers, actor datums, and short end-to-end runs
+(with resume) on a toy env. The critic, the store and restored rollouts have test files of
+their own."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import math
@@ -12,34 +12,23 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
-import numpy as np
 import pytest
-from pytrio import ModelInput
 
-from agent_gym.render import ChatRenderer
-from agent_gym.state import EnvState, StateMismatchError
 from tests import grpo_toy, tempo_toy
+from tests.test_store import hand_made_episode
 from trainers.backends.local import LocalServiceClient
 from trainers.cli import register
-from trainers.critic import (
-    HISTORY_TURNS,
-    Critic,
-    critic_messages,
-    critic_rewards,
-    gather_values,
-    parse_value,
-)
-from trainers.episode import Episode, Turn
-from trainers.rollout import RolloutConfig, RolloutError, rollout_group
-from trainers.store import MacroState, StateStore, StoreError, cut, fresh_quota
+from trainers.critic import CriticSample, critic_rewards
+from trainers.episode import TokenSequence
+from trainers.plot import plot
+from trainers.store import StateStore
 from trainers.tempo import (
     Args,
     actor_update,
     centred,
+    critic_update,
     macro_returns,
-    main,
     parse_args,
-    plot,
     prefix_weight,
     train,
     value_corr,
@@ -50,11 +39,6 @@ from trainers.tempo import (
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tempo_toy.value_model(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def sampler(model: str) -> Any:
-    return LocalServiceClient().create_sampling_client(model)
 
 
 # ----------------------------------------------------------------------- formulas
@@ -108,157 +92,7 @@ def test_value_corr_and_value_gap() -> None:
     assert value_gap_zero_reward([([1.0], [0.0])]) is None
 
 
-# ----------------------------------------------------------------------- critic
-@pytest.mark.parametrize(
-    ("text", "r_max", "expected"),
-    [
-        ("I think <value>0.42</value>", 1.0, 0.42),
-        ("<value>0.1</value> on second thought <value>0.9</value>", 1.0, 0.9),  # last match
-        ("<value>0.3</value> <value>high</value>", 1.0, None),  # the last one decides
-        ("<value> .5 </value>", 1.0, 0.5),
-        ("<value>1</value>", 1.0, 1.0),
-        ("<value>0</value>", 1.0, 0.0),
-        ("<value>1.5</value>", 1.0, None),  # out of [0, r_max]
-        ("<value>1.5</value>", 2.0, 1.5),
-        ("<value>-0.1</value>", 1.0, None),
-        ("<value>1e-1</value>", 1.0, None),
-        ("<value>nan</value>", 1.0, None),
-        ("<value>50%</value>", 1.0, None),
-        ("<value>0.5", 1.0, None),
-        ("the value is 0.5", 1.0, None),
-        ("<value></value>", 1.0, None),
-    ],
-)
-def test_value_parsing_is_strict(text: str, r_max: float, expected: float | None) -> None:
-    assert parse_value(text, r_max) == expected
-
-
-def test_critic_prompt_shows_privileged_info_and_condenses_history() -> None:
-    opening = [{"role": "system", "content": "You are a robot."},
-               {"role": "user", "content": "Your task is to: put a clean mug in the coffeemachine."}]
-    history = []
-    for t in range(30):
-        history += [{"role": "assistant", "content": "x" * 5000 + f" go to place {t}"},
-                    {"role": "tool", "content": f"You arrive at place {t}. " + "y" * 5000}]
-    privileged = {"walkthrough": ["go to mug 1", "take mug 1"], "oracle_actions": ["<tool_call>"]}
-    system, user = critic_messages([*opening, *history], 2, privileged, r_max=1.0)
-    assert system["role"] == "system" and "<value>" in system["content"]
-    text = user["content"]
-    assert "put a clean mug in the coffeemachine" in text
-    assert "go to mug 1; take mug 1" in text
-    assert "oracle_actions" not in text and "You are a robot" not in text
-    assert f"({30 - HISTORY_TURNS} earlier turns not shown)" in text
-    assert "go to place 29" in text and "You arrive at place 29" in text  # tail / head kept
-    assert "go to place 3 " not in text
-    assert len(text) < 9000  # bounded whatever the episode's length
-
-
-def test_critic_samples_values_and_counts_cut_replies_as_failures(sampler: Any) -> None:
-    renderer = ChatRenderer(sampler.get_tokenizer())
-    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "go to desk 1"}]
-    critic = Critic(renderer, r_max=1.0, max_tokens=16, temperature=1.0)
-    prompt = critic.prompt(chat, 2, {"answer": "7"})
-    samples = asyncio.run(critic.sample(sampler, prompt, 16, seed=0))
-    assert len(samples) == 16
-    parsed = [s.value for s in samples if s.value is not None]
-    assert len(parsed) >= 8 and len(set(parsed)) >= 2  # the toy speaks values, not one value
-    assert all(s.turn.prompt_tokens == prompt for s in samples)
-    value, _ = asyncio.run(critic.value(sampler, prompt, 4, seed=1))
-    assert 0.0 <= value <= 1.0
-    short = Critic(renderer, r_max=1.0, max_tokens=3, temperature=1.0)  # every reply is cut
-    assert all(s.value is None for s in asyncio.run(short.sample(sampler, prompt, 4, seed=0)))
-
-
-def test_terminal_endpoints_are_worth_zero_without_sampling() -> None:
-    critic = Critic(None, r_max=1.0, max_tokens=4, temperature=1.0)  # type: ignore[arg-type]
-    values = asyncio.run(gather_values(critic, object(), [None, None], 2, [0, 1]))  # type: ignore[arg-type]
-    assert values == [(0.0, []), (0.0, [])]
-
-
-# ----------------------------------------------------------------------- store
-def macro_state(version: int, index: int = 0) -> MacroState:
-    state = EnvState("agent_gym_tests/None", {}, f"task-{index}", None, ("a",), ("d0", "d1"))
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                {"role": "user", "content": "no"}]
-    return MacroState(state, [1, 2, 3, 4], messages, 1, {}, version, [(1, 2)], -0.5)
-
-
-def test_fresh_quota() -> None:
-    assert [fresh_quota(4, f) for f in (0.25, 0.5, 0.75, 1.0)] == [1, 2, 3, 4]
-    assert fresh_quota(3, 0.5) == 2  # rounds up: never less than the fraction
-    assert fresh_quota(10, 0.01) == 1  # at least one fresh task
-    with pytest.raises(ValueError):
-        fresh_quota(4, 0.0)
-
-
-def test_store_never_starves_fresh_tasks_and_consumes_states() -> None:
-    store = StateStore(capacity=1000, staleness=100)
-    store.add(macro_state(0, i) for i in range(100))
-    rng = np.random.default_rng(0)
-    seen: set[str] = set()
-    for _ in range(20):
-        drawn, stale = store.draw(4, 0.25, version=1, rng=rng)
-        assert len(drawn) == 3 and stale == 0  # one group of four left to a fresh task
-        ids = {s.state.task_id for s in drawn}
-        assert len(ids) == 3 and not ids & seen  # consumed: never drawn twice
-        seen |= ids
-    assert len(store) == 100 - 60
-    assert store.draw(4, 1.0, version=1, rng=rng) == ([], 0)  # all fresh
-    small = StateStore(capacity=10, staleness=1)
-    small.add([macro_state(0)])
-    drawn, _ = small.draw(8, 0.25, version=0, rng=rng)
-    assert len(drawn) == 1 and len(small) == 0  # fewer states than slots: the rest is fresh
-
-
-def test_store_evicts_fifo_and_drops_stale_states() -> None:
-    store = StateStore(capacity=3, staleness=2)
-    assert store.add(macro_state(v, v) for v in range(5)) == 2
-    assert [s.version for s in store] == [2, 3, 4]  # the two oldest went
-    assert store.drop_stale(version=5) == 1  # version 2 is 3 versions old
-    assert [s.version for s in store] == [3, 4]
-    drawn, stale = store.draw(4, 0.25, version=6, rng=np.random.default_rng(0))
-    assert stale == 1 and [s.version for s in drawn] == [4]
-
-
-def test_store_round_trips_through_json_and_rejects_bad_files() -> None:
-    store = StateStore(capacity=5, staleness=3)
-    store.add(macro_state(v, v) for v in range(4))
-    again = StateStore.from_json(store.to_json(), capacity=5, staleness=3)
-    assert [s.to_dict() for s in again] == [s.to_dict() for s in store]
-    smaller = StateStore.from_json(store.to_json(), capacity=2, staleness=3)
-    assert [s.version for s in smaller] == [2, 3]
-    with pytest.raises(StoreError, match="not valid JSON"):
-        StateStore.from_json("{", 5, 3)
-    with pytest.raises(StoreError, match="version"):
-        StateStore.from_json('{"states": []}', 5, 3)
-    broken = json.loads(store.to_json())
-    broken["states"][0]["sampled"] = [[3, 2]]
-    with pytest.raises(StoreError, match="out of order"):
-        StateStore.from_json(json.dumps(broken), 5, 3)
-    broken["states"][0]["sampled"] = [[1, 2]]
-    del broken["states"][0]["version"]
-    with pytest.raises(StoreError, match="fields"):
-        StateStore.from_json(json.dumps(broken), 5, 3)
-
-
-def hand_made_episode(start: MacroState | None = None) -> Episode:
-    """Turn 1 samples [4 5] after prompt [1 2 3]; the env adds [6 7]; turn 2 samples [8 9]."""
-    before = start.messages if start else [{"role": "system", "content": "s"},
-                                           {"role": "user", "content": "task"}]
-    actions = (*(start.state.actions if start else ()), "a1", "a2")
-    return Episode(
-        "t",
-        [Turn([1, 2, 3], [4, 5], [-0.1, -0.2], "stop"),
-         Turn([1, 2, 3, 4, 5, 6, 7], [8, 9], [-0.3, -0.4], "stop")],
-        reward=0.5, end_reason="max_turns",
-        messages=[*before, {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "o1"},
-                  {"role": "assistant", "content": "a2"}, {"role": "tool", "content": "o2"}],
-        step_rewards=[0.0, 0.5], opening_messages=2, privileged={"answer": "x"},
-        env_state=EnvState("e", {}, "t", 7, actions, tuple(f"d{i}" for i in range(len(actions) + 1))),
-        next_prompt=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
-    )
-
-
+# ----------------------------------------------------------------------- actor
 def test_actor_datums_carry_the_weighted_advantage_on_sampled_tokens_only() -> None:
     won = dataclasses.replace(hand_made_episode(), reward=1.0)
     lost = dataclasses.replace(hand_made_episode(), reward=0.0)
@@ -275,83 +109,21 @@ def test_actor_datums_carry_the_weighted_advantage_on_sampled_tokens_only() -> N
     assert actor_update([won, lost], [0.0, 1.0], weight=1.0) == (None, 1.0)  # degenerate
 
 
-def test_cutting_macro_states_from_an_episode() -> None:
-    episode = hand_made_episode()
-    middle = cut(episode, 1, None, version=3)
-    assert middle.tokens == [1, 2, 3, 4, 5, 6, 7]
-    assert middle.sampled == [(3, 5)] and middle.old_logprob_sum == pytest.approx(-0.3)
-    assert middle.state.actions == ("a1",) and middle.state.digests == ("d0", "d1")
-    assert [m["content"] for m in middle.messages] == ["s", "task", "a1", "o1"]
-    assert middle.observation == "o1" and middle.turn == 1 and middle.version == 3
-    end = cut(episode, 2, None, version=3)
-    assert end.tokens == episode.next_prompt
-    assert end.sampled == [(3, 5), (7, 9)] and end.old_logprob_sum == pytest.approx(-1.0)
-    assert end.state == episode.env_state and end.privileged == {"answer": "x"}
-    with pytest.raises(StoreError, match="between 1 and"):
-        cut(episode, 3, None, version=3)
-    with pytest.raises(StoreError, match="keep_states"):
-        cut(dataclasses.replace(episode, env_state=None), 1, None, version=3)
-    with pytest.raises(StoreError, match="no prompt to resume"):
-        cut(dataclasses.replace(episode, next_prompt=None, end_reason="truncated"), 2, None, 3)
-    with pytest.raises(StoreError, match="token-continuous"):
-        bad = dataclasses.replace(episode, turns=[episode.turns[0], Turn([1, 2, 3, 9, 9], [8], [-1.0], "stop")])
-        cut(bad, 2, None, 3)
+def test_critic_datums_and_the_best_constant_baseline() -> None:
+    def samples(*values: float | None) -> list[CriticSample]:
+        sequence = TokenSequence((1, 2)).extend([1, 2], [3], [-0.5])
+        return [CriticSample(sequence, v) for v in values]
 
-
-def test_cut_chains_onto_the_state_an_episode_resumed_from() -> None:
-    start = dataclasses.replace(
-        macro_state(1), tokens=[1, 2, 3], sampled=[(1, 2)], old_logprob_sum=-2.0,
-        messages=[{"role": "system", "content": "s"}, {"role": "user", "content": "task"},
-                  {"role": "assistant", "content": "a0"}, {"role": "tool", "content": "o0"}],
-        opening=2, state=EnvState("e", {}, "t", 7, ("a0",), ("d0", "d1")),
-    )
-    state = cut(hand_made_episode(start), 1, start, version=4)
-    assert state.sampled == [(1, 2), (3, 5)] and state.old_logprob_sum == pytest.approx(-2.3)
-    assert state.state.actions == ("a0", "a1") and state.turn == 2
-    assert [m["content"] for m in state.messages][2:] == ["a0", "o0", "a1", "o1"]
-
-
-# ----------------------------------------------------------------------- restored branches
-def test_restored_branches_continue_the_saved_tokens_and_are_checked(sampler: Any) -> None:
-    renderer = ChatRenderer(sampler.get_tokenizer())
-    config = RolloutConfig(group_size=6, max_turns=1, max_tokens=12, max_trajectory_tokens=512,
-                           keep_states=True)
-    make_env = grpo_toy.SayDigitEnv
-    first = asyncio.run(rollout_group(make_env, {"index": 0}, sampler, renderer, config, seed=1))
-    stopped = [e for e in first if e.end_reason == "max_turns"]
-    assert stopped, [e.end_reason for e in first]
-    state = cut(stopped[0], 1, None, version=0)
-    assert state.observation == "no"
-
-    # the sampled prefix tokens are where `sampled` says: the same policy scores them as sampled
-    logprobs = sampler.compute_logprobs(ModelInput.from_ints(state.tokens)).result()
-    assert state.sampled_logprob_sum(logprobs) == pytest.approx(state.old_logprob_sum, abs=1e-3)
-
-    branches = asyncio.run(rollout_group(make_env, None, sampler, renderer, config, seed=2,
-                                         resume=state.resume()))
-    for episode in branches:
-        assert episode.turns[0].prompt_tokens == state.tokens  # the exact token prefix
-        assert episode.messages[: len(state.messages)] == state.messages
-        assert episode.end_reason in ("terminated", "truncated", "max_tokens")  # 2 turns at most
-        assert episode.env_state.actions[:1] == state.state.actions
-
-    tampered = dataclasses.replace(state, messages=[*state.messages[:-1],
-                                                    {"role": "user", "content": "yes"}])
-    with pytest.raises(RolloutError, match="shows 'no', the saved state showed 'yes'"):
-        asyncio.run(rollout_group(make_env, None, sampler, renderer, config,
-                                  resume=tampered.resume()))
-    messages = [dict(m) for m in state.messages]
-    messages[1]["content"] = "something else"
-    with pytest.raises(RolloutError, match="differs from the saved one at message 1"):
-        asyncio.run(rollout_group(make_env, None, sampler, renderer, config,
-                                  resume=dataclasses.replace(state, messages=messages).resume()))
-    wrong = dataclasses.replace(state.state, digests=(state.state.digests[0], "0" * 16))
-    with pytest.raises(StateMismatchError):
-        asyncio.run(rollout_group(make_env, None, sampler, renderer, config,
-                                  resume=dataclasses.replace(state, state=wrong).resume()))
-    with pytest.raises(ValueError, match="either"):
-        asyncio.run(rollout_group(make_env, {"index": 0}, sampler, renderer, config,
-                                  resume=state.resume()))
+    # two start states, targets 0 and 1 (mean 0.5); the critic says 0.1/0.3 and 0.9/None
+    datums, metrics = critic_update([samples(0.1, 0.3), samples(0.9, None)], [0.0, 1.0], 1.0)
+    assert metrics["critic/abs_error_mean"] == pytest.approx((0.1 + 0.3 + 0.1) / 3)
+    assert metrics["critic/abs_error_constant"] == pytest.approx(0.5)  # |0.5 - target|
+    assert metrics["critic/value_corr"] == pytest.approx(1.0)
+    assert len(datums) == metrics["critic/datums"] == 4
+    advantages = [d.loss_fn_inputs["advantages"].data[-1] for d in datums]
+    assert advantages == pytest.approx([0.1, -0.1, 0.45, -0.45])  # centred per state
+    _, same = critic_update([samples(0.5, 0.5)], [0.0], 1.0)
+    assert same["critic/datums"] == 0 and same["critic/degenerate_group_rate"] == 1.0
 
 
 # ----------------------------------------------------------------------- end to end
@@ -450,33 +222,23 @@ def test_resume_continues_weights_store_and_metrics(model: str, tmp_path: Path) 
         train(toy_args(model, tmp_path / "killed", env_id="agent_gym/GSM8K-v0", resume=True))
 
 
-def test_cli_arguments_and_plot_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_arguments() -> None:
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     parsed = parser.parse_args(["train", "tempo", "--horizon", "3", "--help"])
     assert parsed.argv == ["--horizon", "3", "--help"]
-    assert parser.parse_args(["train", "plot", "runs/x"]).argv == ["runs/x"]
     args = parse_args(["--horizon", "3", "--branches", "8", "--no-prefix-is",
                        "--env-kwargs", '{"max_turns": 20}'])
     assert (args.horizon, args.branches, args.prefix_is, args.env_kwargs) == (
         3, 8, False, {"max_turns": 20})
+    assert (args.env_id, args.batch_size, args.max_turns) == ("agent_gym/ALFWorld-v0", 4, None)
     for bad in (["--branches", "1"], ["--critic-samples", "1"], ["--fresh-fraction", "0"],
                 ["--temperature", "0.7"], ["--no-prefix-is", "--temperature", "0.7"],
                 ["--staleness", "0"], ["--batch-size", "1", "--fresh-fraction", "0.5"],
                 ["--is-cap", "0.5"], ["--r-max", "0"], ["--backend", "nowhere"],
-                ["--warmup-updates", "0", "--td-updates", "0"]):
+                ["--warmup-updates", "0", "--td-updates", "0"], ["--batch-size", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
-    with pytest.raises(FileNotFoundError):
-        plot(tmp_path)
-    with pytest.raises(SystemExit):
-        main(["plot", str(tmp_path)])
-    assert "does not exist" in capsys.readouterr().err
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "phase": "warmup",
-                                                        "critic/abs_error_mean": 0.4}) + "\n")
-    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0
-    assert capsys.readouterr().out.strip() == str(tmp_path / "p.png")
-    assert (tmp_path / "p.png").is_file()
 
 
 def test_prefix_correction_can_be_switched_off(model: str, tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ import pytest
 from agent_gym.render import ChatRenderer
 from tests import tempo_toy
 from trainers.backends.local import LocalServiceClient
-from trainers.rollout import EnvPool, RolloutConfig, RolloutError, rollout_group
+from trainers.rollout import RolloutConfig, RolloutError, rollout_group
+from trainers.run import EnvPool
 from trainers.store import StateStore
 from trainers.tempo import Args, train
 
@@ -55,18 +56,18 @@ def test_tempo_on_alfworld(tmp_path_factory: pytest.TempPathFactory, tmp_path: P
         for state in store:
             observation, info = env.reset(options={"state": state.state})
             assert observation == state.observation
-            assert [*info["messages"], *info["history"]] == state.messages
+            assert [*info["messages"], *info["history"]] == list(state.messages)
         env.close()
 
         # and a state whose saved observation differs from the game's is refused
         state = next(iter(store))
         tampered = dataclasses.replace(
-            state, messages=[*state.messages[:-1], {**state.messages[-1], "content": "You win."}]
+            state, messages=(*state.messages[:-1], {**state.messages[-1], "content": "You win."})
         )
         sampler = LocalServiceClient().create_sampling_client(model)
         config = RolloutConfig(group_size=1, max_turns=1, max_tokens=4, keep_states=True)
         with pytest.raises(RolloutError, match=r"the saved state showed 'You win\.'"):
-            asyncio.run(rollout_group(pool, None, sampler, ChatRenderer(sampler.get_tokenizer()),
-                                      config, resume=tampered.resume()))
+            asyncio.run(rollout_group(pool, tampered, sampler,
+                                      ChatRenderer(sampler.get_tokenizer()), config))
     finally:
         pool.close()

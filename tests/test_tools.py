@@ -3,6 +3,7 @@ import pytest
 from agent_gym.tools import (
     ToolCallError,
     ToolSpec,
+    format_tool_call,
     parse_fenced_code,
     parse_tag_call,
     parse_tool_call,
@@ -110,3 +111,14 @@ def test_openai_schema() -> None:
     schema = SEARCH.openai_schema()
     assert schema["type"] == "function" and schema["function"]["name"] == "search"
     assert schema["function"]["parameters"]["required"] == ["query"]
+
+
+def test_format_tool_call_round_trips_and_keeps_a_model_s_arguments_verbatim() -> None:
+    text = format_tool_call("search", {"query": "Zürich \"old town\"", "topk": 2})
+    assert text.startswith("<tool_call>\n{") and text.endswith("}\n</tool_call>")
+    call = parse_tool_call(text, TOOLS)
+    assert call is not None and call.arguments == {"query": 'Zürich "old town"', "topk": 2}
+    raw = '{"query": "a",  "topk": "two"}'  # as a model wrote it: the parser must judge it
+    assert raw in format_tool_call("search", raw)
+    with pytest.raises(ToolCallError, match="not of type 'integer'"):
+        parse_tool_call(format_tool_call("search", raw), TOOLS)

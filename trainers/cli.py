@@ -48,6 +48,6 @@ def _run_tempo(args: argparse.Namespace) -> int:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from trainers.tempo import main
+    from trainers.plot import main
 
-    return main(["plot", *args.argv])
+    return main(args.argv)

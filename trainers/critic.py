@@ -18,7 +18,6 @@ a value out of range) is a parse failure: it is counted, it earns the worst crit
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import re
@@ -30,8 +29,8 @@ import numpy as np
 from pytrio import ModelInput, SamplingParams
 
 from agent_gym.render import ChatRenderer
-from trainers.episode import Turn
-from trainers.rollout import Sampler
+from trainers.episode import TokenSequence
+from trainers.run import Sampler, derive_seed
 
 SYSTEM_PROMPT = (
     "You are the critic of an agent that works on a task over several turns. You see the "
@@ -115,10 +114,10 @@ def critic_messages(
 
 @dataclass
 class CriticSample:
-    """One critic reply: the sampling record (trainable as a one-turn datum) and its value
-    (None: parse failure)."""
+    """One critic reply: its prompt and sampled tokens (trainable as a one-span datum) and
+    its value (None: parse failure)."""
 
-    turn: Turn
+    sequence: TokenSequence
     value: float | None
 
 
@@ -144,13 +143,12 @@ class Critic:
         self, sampler: Sampler, prompt: list[int], n: int, seed: int
     ) -> list[CriticSample]:
         """``n`` critic replies to one prompt (one shared prefill)."""
-        key = hashlib.blake2b(f"critic/{seed}".encode(), digest_size=4).digest()
         response = await sampler.sample_async(
             ModelInput.from_ints(prompt),
             num_samples=n,
             sampling_params=SamplingParams(
                 max_tokens=self.max_tokens,
-                seed=int.from_bytes(key, "little") & 0x7FFFFFFF,
+                seed=derive_seed("critic", seed),
                 stop=list(self.renderer.stop_tokens),
                 temperature=self.temperature,
             ),
@@ -161,8 +159,8 @@ class Critic:
             value = None
             if self.renderer.is_finished(tokens):  # a cut reply is a failure, whatever it says
                 value = parse_value(self.renderer.completion_text(tokens), self.r_max)
-            turn = Turn(list(prompt), tokens, list(sequence.logprobs), sequence.stop_reason)
-            samples.append(CriticSample(turn, value))
+            sampled = TokenSequence(tuple(prompt)).extend(prompt, tokens, sequence.logprobs)
+            samples.append(CriticSample(sampled, value))
         return samples
 
     async def value(

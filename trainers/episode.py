@@ -1,11 +1,15 @@
-"""Episodes as the sampler saw them, and the training ``Datum`` each one becomes.
+"""Episodes as the sampler saw them, the points they can resume from, and the training
+``Datum`` each one becomes.
 
-An episode is a list of turns. Each turn keeps the exact prompt tokens the sampler was
-given, the tokens it sampled, their logprobs and why sampling stopped. Because prompts grow
-by extension (see ``agent_gym.render``), the last prompt plus the last completion is the
-whole trajectory, and every earlier completion sits inside it at a known offset.
+Everything here stands on one representation, ``TokenSequence``: a branch's tokens and the
+spans of them a policy sampled, each with the logprobs the sampler reported. Because
+prompts grow by extension (see ``agent_gym.render``), a branch's last prompt plus its last
+completion is its whole trajectory, and every earlier completion sits inside it at a known
+offset: a span. An episode's sequence becomes its Datum; a point to resume from keeps the
+sequence up to there (its spans say which prefix tokens the importance correction scores);
+a critic reply is a sequence with one span.
 
-One episode becomes one ``pytrio.Datum`` (tinker format, next-token aligned):
+One sequence becomes one ``pytrio.Datum`` (tinker format, next-token aligned):
 
 * ``model_input`` = tokens[:-1] and position ``i`` predicts token ``i + 1``;
 * sampled tokens carry their target id, the sampler's logprob and the advantage;
@@ -21,7 +25,9 @@ normalised by their own share.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,121 +35,169 @@ import numpy as np
 from pytrio import Datum, ModelInput
 from pytrio.types import TensorData
 
-from agent_gym.state import EnvState
+from agent_gym.state import EnvState, StateError
 
 IGNORE_TARGET = -100
-STOP_LENGTH = "length"
 
 
 class DatumError(ValueError):
-    """Turns that cannot form one token-continuous training sequence."""
+    """Tokens that cannot form one token-continuous training sequence, or a resume point
+    that cannot continue one."""
 
 
-@dataclass
-class Turn:
-    """One sampling call of one branch, exactly as sent and received."""
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``[start, end)`` of a sequence, sampled in one call with these logprobs."""
 
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str
-
-    def __post_init__(self) -> None:
-        if not self.prompt_tokens:
-            raise DatumError("a turn needs a non-empty prompt")
-        if len(self.completion_tokens) != len(self.logprobs):
-            raise DatumError(
-                f"a turn has {len(self.completion_tokens)} completion tokens but "
-                f"{len(self.logprobs)} logprobs"
-            )
+    start: int
+    logprobs: tuple[float, ...]
 
     @property
-    def cut(self) -> bool:
-        """Sampling stopped at ``max_tokens``: the reply is unfinished."""
-        return self.stop_reason == STOP_LENGTH
+    def end(self) -> int:
+        return self.start + len(self.logprobs)
 
 
-@dataclass
-class Episode:
-    """A finished branch: its turns, total reward and why it ended.
+@dataclass(frozen=True)
+class TokenSequence:
+    """A branch's tokens and the spans of them a policy sampled (see the module docstring).
 
-    ``end_reason`` is ``terminated`` or ``truncated`` (the env's verdict), ``max_turns``,
-    ``max_tokens`` (the last reply was cut and never shown to the env) or
-    ``trajectory_budget`` (no room left for another reply).
-
-    ``step_rewards`` holds the env's reward for each step (``reward`` adds the cut penalty,
-    if any), ``opening_messages`` how many of ``messages`` the episode opened with, and
-    ``privileged`` what the env revealed for critics only. Rollouts asked to keep states
-    also record the env's final ``env_state`` and, for a branch stopped at its turn budget,
-    ``next_prompt``: the exact prompt it would have continued from.
+    Spans are in order, do not overlap and lie inside ``tokens``; every logprob is finite.
+    Tokens outside every span (prompt, template, observations, a resumed prefix taken as
+    context) are never trained on.
     """
 
-    task_id: str
-    turns: list[Turn]
-    reward: float = 0.0
-    end_reason: str = ""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    invalid_actions: int = 0
-    step_rewards: list[float] = field(default_factory=list)
-    opening_messages: int = 0
-    privileged: dict[str, Any] = field(default_factory=dict)
-    env_state: EnvState | None = None
-    next_prompt: list[int] | None = None
+    tokens: tuple[int, ...]
+    spans: tuple[Span, ...] = ()
 
-    @property
-    def tokens(self) -> list[int]:
-        last = self.turns[-1]
-        return [*last.prompt_tokens, *last.completion_tokens]
+    def __post_init__(self) -> None:
+        previous = 0
+        for span in self.spans:
+            if not previous <= span.start <= span.end <= len(self.tokens):
+                raise DatumError(
+                    f"sampled span [{span.start}, {span.end}) is out of order or outside the "
+                    f"{len(self.tokens)} tokens"
+                )
+            if not all(math.isfinite(value) for value in span.logprobs):
+                raise DatumError("sampled logprobs must be finite")
+            previous = span.end
+
+    def extend(
+        self, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float]
+    ) -> TokenSequence:
+        """This sequence continued by one sampling call on ``prompt`` (see ``grown_to``)."""
+        if len(completion) != len(logprobs):
+            raise DatumError(
+                f"a sampling call returned {len(completion)} tokens but {len(logprobs)} logprobs"
+            )
+        grown = self.grown_to(prompt)
+        span = Span(len(prompt), tuple(float(v) for v in logprobs))
+        return TokenSequence((*grown.tokens, *completion), (*grown.spans, span))
+
+    def grown_to(self, prompt: Sequence[int]) -> TokenSequence:
+        """The same spans on ``prompt``, which must start with every token of this sequence
+        (raises ``DatumError`` if a template rewrote history)."""
+        if tuple(prompt[: len(self.tokens)]) != self.tokens:
+            raise DatumError(
+                f"the prompt after turn {len(self.spans)} does not extend the tokens before "
+                "it: the trajectory is not token-continuous"
+            )
+        return TokenSequence(tuple(prompt), self.spans)
+
+    def prefix(self, length: int) -> TokenSequence:
+        """The first ``length`` tokens with the spans inside them; no span may be split."""
+        if not 0 < length <= len(self.tokens):
+            raise DatumError(f"no prefix of {length} tokens in a sequence of {len(self.tokens)}")
+        if any(span.start < length < span.end for span in self.spans):
+            raise DatumError(f"a prefix of {length} tokens would split a sampled span")
+        return TokenSequence(self.tokens[:length], tuple(s for s in self.spans if s.end <= length))
+
+    def as_context(self) -> TokenSequence:
+        """The same tokens, none of them to be trained on (a resumed prefix)."""
+        return TokenSequence(self.tokens)
+
+    def completion(self, index: int) -> tuple[int, ...]:
+        """The tokens sampled in span ``index``."""
+        span = self.spans[index]
+        return self.tokens[span.start : span.end]
 
     @property
     def sampled_tokens(self) -> int:
-        return sum(len(turn.completion_tokens) for turn in self.turns)
+        return sum(len(span.logprobs) for span in self.spans)
+
+    @property
+    def logprob_sum(self) -> float:
+        """The sum of the logprobs the sampling policies gave the sampled tokens."""
+        return float(sum(sum(span.logprobs) for span in self.spans))
+
+    def score(self, logprobs: Sequence[float | None]) -> float:
+        """Sum of ``logprobs[i]`` over the sampled positions, ``logprobs`` being a
+        ``compute_logprobs`` answer for ``tokens`` (index i: logprob of token i)."""
+        if len(logprobs) != len(self.tokens):
+            raise DatumError(f"got {len(logprobs)} logprobs for {len(self.tokens)} tokens")
+        total = 0.0
+        for span in self.spans:
+            for value in logprobs[span.start : span.end]:
+                if value is None:
+                    raise DatumError("a sampled token has no logprob")
+                total += value
+        return total
+
+    def to_dict(self) -> dict[str, list[int] | list[dict[str, int | list[float]]]]:
+        return {
+            "tokens": list(self.tokens),
+            "spans": [{"start": s.start, "logprobs": list(s.logprobs)} for s in self.spans],
+        }
+
+    @classmethod
+    def from_dict(cls, payload: object) -> TokenSequence:
+        if not isinstance(payload, dict) or set(payload) != {"tokens", "spans"}:
+            raise DatumError("a saved token sequence is an object with tokens and spans")
+        tokens, spans = payload["tokens"], payload["spans"]
+        if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+            raise DatumError("a saved token sequence's tokens must be a list of integers")
+        if not (isinstance(spans, list) and all(
+            isinstance(s, dict) and set(s) == {"start", "logprobs"} and type(s["start"]) is int
+            and isinstance(s["logprobs"], list)
+            and all(isinstance(v, int | float) for v in s["logprobs"])
+            for s in spans
+        )):
+            raise DatumError("a saved token sequence's spans must be {start, logprobs} objects")
+        return cls(tuple(tokens), tuple(Span(s["start"], tuple(map(float, s["logprobs"])))
+                                        for s in spans))
 
 
 def build_datum(
-    turns: Sequence[Turn], advantage: float, *, max_length: int | None = None
+    sequence: TokenSequence, advantage: float, *, max_length: int | None = None
 ) -> Datum:
-    """The training datum for consecutive turns of one branch.
+    """The training datum of a sequence: ``advantage`` on every sampled token.
 
-    The first turn's prompt is context only (for a whole episode: the opening prompt; for
-    a macro-step resumed from a saved state: everything before it). Raises ``DatumError``
-    when a turn's prompt does not extend the previous prompt and completion, or when the
+    Raises ``DatumError`` when nothing was sampled, the advantage is not finite, or the
     input would exceed ``max_length`` tokens.
     """
-    if not turns:
-        raise DatumError("a datum needs at least one turn")
+    if not sequence.spans:
+        raise DatumError("a datum needs at least one sampled span")
     if not np.isfinite(advantage):
         raise DatumError(f"advantage must be finite, got {advantage}")
-    sequence = list(turns[0].prompt_tokens)
-    spans: list[tuple[int, Sequence[float]]] = []
-    for index, turn in enumerate(turns):
-        if index:
-            if turn.prompt_tokens[: len(sequence)] != sequence:
-                raise DatumError(
-                    f"turn {index}'s prompt does not extend turn {index - 1}'s prompt and "
-                    "completion: the trajectory is not token-continuous"
-                )
-            sequence = list(turn.prompt_tokens)
-        spans.append((len(sequence), turn.logprobs))
-        sequence.extend(turn.completion_tokens)
-    if len(sequence) < 2:
+    tokens = sequence.tokens
+    if len(tokens) < 2:
         raise DatumError("a datum needs at least two tokens")
-    if max_length is not None and len(sequence) - 1 > max_length:
-        raise DatumError(f"the datum has {len(sequence) - 1} input tokens, over {max_length}")
+    if max_length is not None and len(tokens) - 1 > max_length:
+        raise DatumError(f"the datum has {len(tokens) - 1} input tokens, over {max_length}")
 
-    targets = np.asarray(sequence[1:], dtype=np.int64)
+    targets = np.asarray(tokens[1:], dtype=np.int64)
     sampled = np.zeros(len(targets), dtype=bool)
     logprobs = np.zeros(len(targets), dtype=np.float32)
-    for start, values in spans:
-        # Token at sequence position p is predicted at input position p - 1.
-        sampled[start - 1 : start - 1 + len(values)] = True
-        logprobs[start - 1 : start - 1 + len(values)] = values
-    if not np.isfinite(logprobs).all():
-        raise DatumError("sampled logprobs must be finite")
+    for span in sequence.spans:
+        # Token at sequence position p is predicted at input position p - 1; a span at
+        # position 0 has no input before it and cannot be trained.
+        if span.start == 0:
+            raise DatumError("a sampled span at position 0 has no prompt to predict it from")
+        sampled[span.start - 1 : span.end - 1] = True
+        logprobs[span.start - 1 : span.end - 1] = span.logprobs
     targets[~sampled] = IGNORE_TARGET
     advantages = np.where(sampled, np.float32(advantage), np.float32(0.0))
     return Datum(
-        model_input=ModelInput.from_ints(sequence[:-1]),
+        model_input=ModelInput.from_ints(list(tokens[:-1])),
         loss_fn_inputs={
             "target_tokens": _tensor(targets, "int64"),
             "logprobs": _tensor(logprobs, "float32"),
@@ -164,3 +218,113 @@ def active_tokens(datums: Sequence[Datum]) -> int:
         sum(1 for t in d.loss_fn_inputs["target_tokens"].data if t != IGNORE_TARGET)
         for d in datums
     )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A point inside an episode to continue branches from: the one resume type of the
+    trainers (rollouts resume from it, TEMPO's store keeps it).
+
+    ``state`` is the env's recipe to rebuild itself there (``agent_gym.state``);
+    ``sequence`` the exact prompt tokens the policy had there, ending with a generation
+    prompt, with the spans every earlier reply sampled (what the prefix importance weight
+    scores); ``messages`` the chat those tokens render, whose first ``opening`` messages
+    are the task and whose last is the observation the saved episode showed;
+    ``privileged`` what the env revealed for critics; ``version`` the policy version that
+    reached the point.
+    """
+
+    state: EnvState
+    sequence: TokenSequence
+    messages: tuple[Mapping[str, Any], ...]
+    opening: int
+    privileged: Mapping[str, Any]
+    version: int
+
+    def __post_init__(self) -> None:
+        if not self.sequence.tokens:
+            raise DatumError("a resume point needs its prompt tokens")
+        if not 0 < self.opening < len(self.messages) or "content" not in self.messages[-1]:
+            raise DatumError(
+                f"a resume point's chat needs its opening ({self.opening} messages) and a "
+                f"history after it ending with an observation, got {len(self.messages)} messages"
+            )
+
+    @property
+    def turn(self) -> int:
+        """Env steps taken before this point."""
+        return self.state.depth
+
+    @property
+    def observation(self) -> str:
+        return str(self.messages[-1]["content"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state": json.loads(self.state.to_json()),
+            "sequence": self.sequence.to_dict(),
+            "messages": [dict(m) for m in self.messages],
+            "opening": self.opening,
+            "privileged": dict(self.privileged),
+            "version": self.version,
+        }
+
+    @classmethod
+    def from_dict(cls, payload: object) -> ResumePoint:
+        names = {"state", "sequence", "messages", "opening", "privileged", "version"}
+        if not isinstance(payload, dict) or set(payload) != names:
+            got = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise DatumError(f"a saved resume point has fields {got}, expected {sorted(names)}")
+        try:
+            state = EnvState.from_dict(payload["state"])
+        except StateError as err:
+            raise DatumError(f"a saved resume point has a bad env state: {err}") from err
+        messages, privileged = payload["messages"], payload["privileged"]
+        if not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+            raise DatumError("a saved resume point's messages must be a list of objects")
+        if not isinstance(privileged, dict):
+            raise DatumError("a saved resume point's privileged information must be an object")
+        if type(payload["opening"]) is not int or type(payload["version"]) is not int:
+            raise DatumError("a saved resume point's opening and version must be integers")
+        return cls(state, TokenSequence.from_dict(payload["sequence"]), tuple(messages),
+                   payload["opening"], privileged, payload["version"])
+
+
+@dataclass
+class Episode:
+    """A finished branch: its token sequence, total reward and why it ended.
+
+    ``sequence`` holds the opening prompt (or, resumed from ``start``, the prefix there, as
+    context only) and every reply this episode sampled, one span each, so it is the
+    episode's Datum as it stands. ``end_reason`` is ``terminated`` or ``truncated`` (the
+    env's verdict), ``max_turns``, ``max_tokens`` (the last reply was cut and never shown
+    to the env) or ``trajectory_budget`` (no room left for another reply).
+
+    ``step_rewards`` holds the env's reward for each step (``reward`` adds the cut penalty,
+    if any), ``opening_messages`` how many of ``messages`` the episode opened with, and
+    ``privileged`` what the env revealed for critics only. Rollouts asked to keep states
+    also record the env's final ``env_state`` and, for a branch stopped at its turn budget,
+    ``next_prompt``: the exact prompt it would have continued from.
+    """
+
+    task_id: str
+    sequence: TokenSequence
+    reward: float = 0.0
+    end_reason: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    invalid_actions: int = 0
+    step_rewards: list[float] = field(default_factory=list)
+    opening_messages: int = 0
+    privileged: dict[str, Any] = field(default_factory=dict)
+    env_state: EnvState | None = None
+    next_prompt: list[int] | None = None
+    start: ResumePoint | None = None
+
+    @property
+    def turns(self) -> int:
+        """Replies sampled in this episode."""
+        return len(self.sequence.spans)
+
+    @property
+    def sampled_tokens(self) -> int:
+        return self.sequence.sampled_tokens

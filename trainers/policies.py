@@ -24,8 +24,8 @@ class SamplerPolicy:
     ``get_tokenizer()``. Prompts come from the shared renderer, rendered whole each turn
     from the transcript (a policy sees messages, not token histories); for templates that
     render history stably (checked by the renderer) that equals the token-continuous
-    prompt training uses. A reply cut by ``max_tokens`` is passed on as written, as an
-    OpenAI-compatible server would.
+    prompt training uses. A reply cut by ``max_tokens`` is marked cut: eval, like the
+    trainers, ends the episode there instead of scoring the unfinished text.
     """
 
     def __init__(
@@ -48,8 +48,10 @@ class SamplerPolicy:
         response = await self.client.sample_async(
             ModelInput.from_ints(prompt), num_samples=1, sampling_params=params
         )
-        completion = list(response.sequences[0].tokens)
-        return Reply(self.renderer.completion_text(completion), len(prompt), len(completion))
+        sequence = response.sequences[0]
+        completion = list(sequence.tokens)
+        return Reply(self.renderer.completion_text(completion), len(prompt), len(completion),
+                     cut=not self.renderer.is_finished(completion))
 
 
 def sampler_policy(spec: str, *, seed: int, max_tokens: int) -> SamplerPolicy:

@@ -28,10 +28,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import fast_downward
-import textworld
-from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
-from textworld.envs.pddl import PddlEnv
+try:
+    import fast_downward
+    import textworld
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+    from textworld.envs.pddl import PddlEnv
+except ModuleNotFoundError as err:  # the engine is an optional extra
+    raise ModuleNotFoundError(
+        f"ALFWorld-v0 runs on ALFWorld's engine, and {err.name!r} is not installed: "
+        "pip install 'agent-gym[alfworld]'",
+        name=err.name,
+    ) from err
 
 _LOCK = threading.RLock()
 _SPARE_LIBRARIES: list[Any] = []  # libdownward copies of closed engines, ready for reuse

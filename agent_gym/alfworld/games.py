@@ -95,7 +95,16 @@ def resolve_root(data_path: str | os.PathLike[str] | None, split: str) -> tuple[
         path = Path(data_path).expanduser()
         if not path.exists():
             raise GameError(f"ALFWorld data path {path} does not exist")
-        return (path / split if (path / split).is_dir() else path), "path"
+        if (path / split).is_dir():
+            return path / split, "path"
+        others = [name for name in SPLITS if (path / name).is_dir()]
+        if others:
+            # A labelled split must be that split: falling back to every game under the
+            # path would report train games as, say, valid_unseen.
+            raise GameError(
+                f"ALFWorld data path {path} has no {split!r} split (it has {', '.join(others)})"
+            )
+        return path, "path"
     home = os.environ.get("ALFWORLD_DATA")
     if home and (Path(home) / "json_2.1.1" / split).is_dir():
         return Path(home) / "json_2.1.1" / split, "alfworld_data"

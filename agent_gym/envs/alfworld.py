@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 from agent_gym.alfworld.engine import Engine, Frame, Snapshot, plan_walkthrough
@@ -17,16 +14,9 @@ from agent_gym.alfworld.games import (
     read_game,
     resolve_root,
 )
-from agent_gym.core import Opening, Task, TextEnv, Transition
-from agent_gym.state import EnvState, digest
-from agent_gym.tools import (
-    TOOL_CALL_CLOSE,
-    TOOL_CALL_OPEN,
-    ToolCallError,
-    ToolSpec,
-    parse_tool_call,
-    sanitize_tool_output,
-)
+from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.protocols import PlainTextProtocol, ToolCallProtocol, choose_protocol
+from agent_gym.tools import ToolCallError, ToolSpec, sanitize_tool_output
 
 STEP_TOOL = ToolSpec(
     name="alfworld_step",
@@ -44,31 +34,18 @@ COMMANDS = (
     'sinkbasin 1" (likewise heat ... with microwave 1, cool ... with fridge 1), "move apple 1 '
     'to diningtable 1", "use desklamp 1", "examine apple 1", "inventory" or "look"'
 )
-PROMPTS = {
-    "tool": "You are a household robot in a text world. Complete the task you are given. "
-    "Act one command per turn by calling the `alfworld_step` tool with an `action` such as "
-    + COMMANDS + ".{admissible} You have {turns} turns.",
-    "text": "You are a household robot in a text world. Complete the task you are given. "
-    "Act one command per turn, such as " + COMMANDS + ". You may think first, but the last "
-    "line of your reply must be the command alone.{admissible} You have {turns} turns.",
-}
+PROTOCOLS = (ToolCallProtocol(STEP_TOOL, "action"), PlainTextProtocol((">", "action:")))
+PROMPT = (
+    "You are a household robot in a text world. Complete the task you are given, one command "
+    "per turn, such as " + COMMANDS + ". You may think first. {how}{admissible} You have "
+    "{turns} turns."
+)
 ADMISSIBLE_HINT = " Each observation ends with the admissible actions; use one of them exactly."
 BANNER = "-= Welcome to TextWorld, ALFRED! =-"
-PROTOCOLS = tuple(PROMPTS)
 ECHO_CHARS = 120  # of an inadmissible command, quoted back in the observation
-SNAPSHOT_LIMIT = 1024  # engine snapshots kept per env for fast restores (a few kB each)
 
 
-@dataclass(frozen=True)
-class _Visited:
-    """A state this env reached: the engine snapshot there and every transition (with its
-    observation digest) on the way from the start."""
-
-    snapshot: Snapshot
-    path: tuple[tuple[Transition, str], ...]
-
-
-class ALFWorldEnv(TextEnv):
+class ALFWorldEnv(OutcomeEnv):
     """ALFWorld's text household tasks (pick and place, look at an object under a lamp,
     clean / heat / cool then place, pick two), played on textworld's PDDL backend with
     ALFWorld's own wrappers (``AlfredDemangler``, ``AlfredInfos``).
@@ -77,14 +54,19 @@ class ALFWorldEnv(TextEnv):
     with ``show_admissible`` each ends with the commands admissible now, which are always
     in ``info["admissible_actions"]``.
     Action: the assistant's reply. With ``protocol="tool"`` an ``alfworld_step`` tool call
-    (Hermes JSON or Qwen3 XML); with ``protocol="text"`` the last non-empty line of the
-    reply (a leading ``>`` or ``Action:`` is dropped). Commands are compared in lower case
-    with runs of whitespace collapsed and a final period dropped.
+    (Hermes JSON or Qwen3 XML), answered by a ``tool`` message; with ``protocol="text"`` the
+    last non-empty line of the reply (a leading ``>`` or ``Action:`` is dropped), answered
+    by a ``user`` message. Commands are compared in lower case with runs of whitespace
+    collapsed and a final period dropped.
     Invalid: a reply without a command, a malformed call, or a command that is not
     admissible here; the game state does not change, the observation says why, and the
     reward is ``-invalid_penalty``.
-    Reward: 1.0 on the step that wins. Episode end: terminated when won; truncated after
+    Reward: ``reward_correct`` on the step that wins; ``reward_incorrect`` on the last step
+    when the turns run out first. Episode end: terminated when won; truncated after
     ``max_turns`` replies.
+    Info: ``admissible_actions``, ``won``, ``action`` (the command played, None when
+    invalid); at reset also ``task_type``, ``synthetic`` and ``data_source``; ``no_answer``
+    on a truncated last step.
     Privileged: the walkthrough (a winning command list) and ``oracle_actions``, the same
     in the chosen protocol. ALFWorld's released games ship no walkthrough: with
     ``plan_timeout > 0`` fast-downward plans one per game (once, in a child process, cut
@@ -97,7 +79,8 @@ class ALFWorldEnv(TextEnv):
     which: scores on synthetic games are not ALFWorld benchmark numbers.
 
     Restoring a state this instance has been through jumps to an engine snapshot instead
-    of replaying (still checking every observation digest); anything else replays.
+    of replaying (the base class's snapshot cache, still checking every observation
+    digest); anything else replays.
 
     Args:
         data_path, split: where the games come from (split: train, valid_seen,
@@ -106,6 +89,8 @@ class ALFWorldEnv(TextEnv):
         protocol: ``"tool"`` or ``"text"``.
         show_admissible: list the admissible commands in every observation.
         max_turns: replies allowed (ALFWorld's usual budget is 50).
+        reward_correct, reward_incorrect: the rewards for winning and for running out of
+            turns.
         invalid_penalty: subtracted from the reward of an invalid step.
         plan_timeout: seconds to plan a walkthrough for a game that has none (0: never).
     """
@@ -120,12 +105,13 @@ class ALFWorldEnv(TextEnv):
         protocol: str = "tool",
         show_admissible: bool = True,
         max_turns: int = 50,
+        reward_correct: float = 1.0,
+        reward_incorrect: float = 0.0,
         invalid_penalty: float = 0.0,
         plan_timeout: float = 0.0,
         render_mode: str | None = None,
     ) -> None:
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+        self.protocol = choose_protocol(protocol, PROTOCOLS)
         types = parse_task_types(task_types)
         root, self.data_source = resolve_root(data_path, split)
         refs = find_games(root, types)
@@ -135,38 +121,35 @@ class ALFWorldEnv(TextEnv):
         super().__init__(
             [Task(ref.task_id, {"task_type": ref.task_type}) for ref in refs],
             max_turns=max_turns,
+            reward_correct=reward_correct,
+            reward_incorrect=reward_incorrect,
+            invalid_penalty=invalid_penalty,
             render_mode=render_mode,
         )
-        self.protocol = protocol
         self.show_admissible = show_admissible
-        self.invalid_penalty = invalid_penalty
         self.plan_timeout = plan_timeout
         self._engine = Engine()
         self._game: tuple[str, Game] | None = None
         self._root: Snapshot | None = None
         self._plans: dict[str, list[str] | None] = {}
-        self._visited: OrderedDict[tuple[str, tuple[str, ...]], _Visited] = OrderedDict()
-        # This episode's transitions while every action went through _step (None once the
-        # base class answered one itself, e.g. an over-long action, so the path has a hole).
-        self._path: list[tuple[Transition, str]] | None = []
 
     # ------------------------------------------------------------------ episode
     def _start(self, task: Task) -> Opening:
         game = self._load(task.task_id)
-        self._path = []
         frame = self._engine.frame
         walkthrough = game.walkthrough or self._plans.get(task.task_id)
         observation = self._observe(frame.feedback.removeprefix(BANNER).strip(), frame)
         hint = ADMISSIBLE_HINT if self.show_admissible else ""
-        system = PROMPTS[self.protocol].format(admissible=hint, turns=self.max_turns)
+        system = PROMPT.format(how=self.protocol.instructions("act"), admissible=hint,
+                               turns=self.max_turns)
         return Opening(
             observation=observation,
             messages=[{"role": "system", "content": system},
                       {"role": "user", "content": observation}],
-            tools=[STEP_TOOL.openai_schema()] if self.protocol == "tool" else [],
+            tools=self.protocol.tools,
             privileged={
                 "walkthrough": None if walkthrough is None else list(walkthrough),
-                "oracle_actions": [self.format_action(c) for c in walkthrough or ()],
+                "oracle_actions": [self.protocol.format(c) for c in walkthrough or ()],
                 "task_type": game.task_type,
             },
             info={**self._frame_info(frame), "task_type": game.task_type,
@@ -174,31 +157,18 @@ class ALFWorldEnv(TextEnv):
         )
 
     def _step(self, action: str) -> Transition:
-        result = self._act(action)
-        if self._path is not None and len(self._path) == len(self._actions):
-            self._path.append((result, digest(result.observation)))
-            key = (self.task.task_id, (*self._actions, action))
-            self._visited[key] = _Visited(self._engine.snapshot(), tuple(self._path))
-            if len(self._visited) > SNAPSHOT_LIMIT:
-                self._visited.popitem(last=False)
-        else:
-            self._path = None
-        return result
-
-    def _act(self, action: str) -> Transition:
         frame = self._engine.frame
         try:
-            command, called = self._parse(action)
+            call = self.protocol.parse(action)
         except ToolCallError as err:
             return self._invalid(f"Invalid action: {err}.", frame, role="user")
-        # A parsed tool call is answered by a tool message, anything else by the user.
-        role = "tool" if called else "user"
-        if called and not command:
-            return self._invalid("The action is empty: give one command.", frame, role)
+        if call is None:
+            return self._invalid(f"No action found: {self.protocol.how_to_call}.", frame, "user")
+        # A parsed call is answered in the protocol's role, even when it is refused.
+        role = self.protocol.reply_role
+        command = canonical(call)
         if not command:
-            how = ("call the alfworld_step tool with one command" if self.protocol == "tool"
-                   else "end your reply with one command on its own line")
-            return self._invalid(f"No action found: {how}.", frame, role)
+            return self._invalid("The action is empty: give one command.", frame, role)
         if command not in frame.admissible:
             shown = command if len(command) <= ECHO_CHARS else command[:ECHO_CHARS] + "..."
             return self._invalid(
@@ -206,37 +176,25 @@ class ALFWorldEnv(TextEnv):
             )
         frame = self._engine.step(command)
         return Transition(
-            self._observe(frame.feedback, frame), 1.0 if frame.won else 0.0,
+            self._observe(frame.feedback, frame), self.reward_correct if frame.won else 0.0,
             terminated=frame.won, role=role, info={**self._frame_info(frame), "action": command},
         )
 
-    def _fast_forward(self, state: EnvState) -> list[Transition]:
-        """Jump to the deepest snapshot this env took after exactly a prefix of these
-        actions, if every observation it recorded on the way matches the state's digests."""
-        for depth in range(len(state.actions), 0, -1):
-            key = (state.task_id, tuple(state.actions[:depth]))
-            visited = self._visited.get(key)
-            if visited is None:
-                continue
-            if [d for _, d in visited.path] != list(state.digests[1 : depth + 1]):
-                return []  # the state saw other observations: let the replay say where
-            self._visited.move_to_end(key)
-            self._engine.restore(visited.snapshot)
-            self._path = list(visited.path)
-            return [replace(t, info=_copy_info(t.info)) for t, _ in visited.path]
-        return []
+    def _snapshot(self) -> Snapshot:
+        return self._engine.snapshot()
+
+    def _restore_snapshot(self, snapshot: object) -> bool:
+        """Snapshots die with the game they were taken in: another game loaded since (the
+        engine's generation moved on) makes them unusable."""
+        if not isinstance(snapshot, Snapshot) or snapshot.generation != self._engine.generation:
+            return False
+        self._engine.restore(snapshot)
+        return True
 
     def _close(self) -> None:
         self._engine.close()
 
     # ------------------------------------------------------------------ helpers
-    def format_action(self, command: str) -> str:
-        """A reply that performs ``command`` in this env's protocol."""
-        if self.protocol == "text":
-            return command
-        call = json.dumps({"name": STEP_TOOL.name, "arguments": {"action": command}})
-        return f"{TOOL_CALL_OPEN}\n{call}\n{TOOL_CALL_CLOSE}"
-
     def _load(self, task_id: str) -> Game:
         """Put the task's game at its start: a snapshot jump when it is already loaded,
         else a load (seconds), which also drops the snapshots of the previous game."""
@@ -246,24 +204,9 @@ class ALFWorldEnv(TextEnv):
         game = read_game(self._refs[task_id])
         self._engine.load(game.data)
         self._game, self._root = (task_id, game), self._engine.snapshot()
-        self._visited.clear()
         if not game.walkthrough and self.plan_timeout > 0 and task_id not in self._plans:
             self._plans[task_id] = plan_walkthrough(game.data, self.plan_timeout)
         return game
-
-    def _parse(self, action: str) -> tuple[str, bool]:
-        """The canonical command in the reply, and whether it came in a tool call."""
-        if self.protocol == "tool":
-            call = parse_tool_call(action, [STEP_TOOL])
-            if call is None:
-                return "", False
-            return canonical(str(call.arguments["action"])), True
-        lines = [line for line in action.splitlines() if line.strip()]
-        text = lines[-1].strip() if lines else ""
-        for prefix in (">", "action:"):
-            if text.lower().startswith(prefix):
-                text = text[len(prefix):]
-        return canonical(text), False
 
     def _observe(self, text: str, frame: Frame) -> str:
         if not self.show_admissible:
@@ -273,8 +216,8 @@ class ALFWorldEnv(TextEnv):
     def _invalid(self, message: str, frame: Frame, role: str) -> Transition:
         """The state is unchanged; the message may quote the model, so it is sanitised."""
         message = sanitize_tool_output(message)
-        return Transition(self._observe(message, frame), -self.invalid_penalty or 0.0,
-                          invalid=True, role=role, info={**self._frame_info(frame), "action": None})
+        return Transition(self._observe(message, frame), invalid=True, role=role,
+                          info={**self._frame_info(frame), "action": None})
 
     @staticmethod
     def _frame_info(frame: Frame) -> dict[str, Any]:
@@ -285,8 +228,3 @@ def canonical(command: str) -> str:
     """How commands are compared: lower case, single spaces, no surrounding quotes or
     final period."""
     return " ".join(command.strip().strip("`'\"").lower().split()).rstrip(".").strip()
-
-
-def _copy_info(info: dict[str, Any]) -> dict[str, Any]:
-    """Replayed infos must not share lists with the recorded ones."""
-    return {k: list(v) if isinstance(v, list) else v for k, v in info.items()}

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import Opening, Task, TextEnv, Transition
+from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.protocols import FencedCodeProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, score_math
 from agent_gym.sandbox import ExecResult, Limits, SandboxError, open_sandbox
-from agent_gym.tools import (
-    ToolCallError,
-    ToolSpec,
-    parse_fenced_code,
-    parse_tool_call,
-    sanitize_tool_output,
-)
+from agent_gym.tools import ToolCallError, ToolSpec, sanitize_tool_output
 
 CODE_TOOL = ToolSpec(
     name="code_interpreter",
@@ -31,19 +25,14 @@ CODE_TOOL = ToolSpec(
         "additionalProperties": False,
     },
 )
+PROTOCOLS = (ToolCallProtocol(CODE_TOOL, "code"), FencedCodeProtocol("python", "interpreter"))
 _STATE = {
     "stateful": "Variables, functions and imports persist from one run to the next.",
     "stateless": "Every run starts a fresh interpreter: nothing persists between runs.",
 }
-TOOL_PROMPT = (
-    "Solve the math problem. You can run Python with the `code_interpreter` tool, one call "
-    "per message and at most {n} calls in all. {state} When you are done, reply without a "
-    "tool call and put the final answer in \\boxed{{}}."
-)
-FENCED_PROMPT = (
-    "Solve the math problem. To run Python, end your message with one ```python code block; "
-    "its output comes back between <interpreter> and </interpreter>. You can run code at "
-    "most {n} times. {state} When you are done, reply without a code block and put the "
+PROMPT = (
+    "Solve the math problem. You can run Python code, once per message and at most {n} "
+    "times in all. {how} {state} When you are done, reply without running code and put the "
     "final answer in \\boxed{{}}."
 )
 NO_ANSWER = "No code and no final answer found: run code, or give the final answer in \\boxed{}."
@@ -57,20 +46,28 @@ HUB_SETS: dict[str, tuple[str, tuple[str | None, ...], str]] = {
 }
 
 
-class CodeInterpreterEnv(TextEnv):
+class CodeInterpreterEnv(OutcomeEnv):
     """Multi-turn math with a sandboxed Python tool; the answer goes in ``\\boxed{}``.
 
     Observation: the problem at reset; after a code call, its output (stdout, stderr, or
-    the timeout / crash note), sanitised and capped at ``max_obs_chars``.
+    the timeout / crash note), sanitised and capped at ``max_obs_chars`` and wrapped by the
+    protocol; after an answer, what was read as the answer.
     Action: the assistant's reply. With ``protocol="tool"`` code runs through a
-    ``code_interpreter`` tool call (Hermes JSON or Qwen3 XML); with ``protocol="fenced"``
-    through a ```python block ending the message (output in ``<interpreter>`` tags). A
-    reply without a call is the final answer: its last ``\\boxed{}`` is graded.
+    ``code_interpreter`` tool call (Hermes JSON or Qwen3 XML), answered by a ``tool``
+    message; with ``protocol="fenced"`` through a ```python block ending the message, its
+    output in ``<interpreter>`` tags in a ``user`` message. A reply without a call is the
+    final answer: its last ``\\boxed{}`` is graded.
     Reward: ``reward_correct`` when math-verify finds the answer equal to the reference,
-    ``reward_incorrect`` when it does not or when the turns run out without an answer
-    (so +1/-1 and 1/0 are both a matter of arguments). Invalid steps earn
-    ``-format_penalty``.
+    ``reward_incorrect`` when it does not, and ``reward_incorrect`` on the last step when
+    the turns run out without an answer (so +1/-1 and 1/0 are both a matter of
+    arguments). An invalid step (malformed call, no call and no answer, code budget spent)
+    earns ``-invalid_penalty``; a sandbox failure is not the agent's fault and costs
+    nothing.
     Episode end: terminated by a boxed answer; truncated after ``max_turns`` replies.
+    Info: after a run ``exec_status``, ``exec_error``, ``state_lost``, ``exec_seconds``,
+    ``code_calls`` and ``isolation`` (with ``sandbox_warning`` when not isolated, and
+    ``sandbox_error`` when the sandbox failed); after an answer ``answer``, ``correct`` and
+    ``code_calls``; ``no_answer`` on a truncated last step.
     Save/restore: the base class replays every reply on a fresh sandbox, so cells are
     re-executed in order and each output is checked against its saved digest. Cells whose
     output depends on time or on OS randomness will not replay identically (``random``
@@ -82,6 +79,8 @@ class CodeInterpreterEnv(TextEnv):
             (DAPO-Math-17k and AIME files load as they are); overrides ``dataset``.
         dataset: ``"bundled"`` (original problems where computing helps), ``"dapo"``
             (DAPO-Math-17k) or ``"aime2025"`` (both 2025 papers) from the hub.
+        split: the hub split (default: train for dapo, test for aime2025).
+        protocol: ``"tool"`` or ``"fenced"``.
         mode: ``"stateful"`` (one notebook-like interpreter per episode) or
             ``"stateless"`` (a fresh interpreter per call, pre-started by a pool of
             ``pool_size``).
@@ -89,6 +88,9 @@ class CodeInterpreterEnv(TextEnv):
             without user namespaces (reported in every step's ``info["isolation"]``).
         max_code_calls, max_turns, max_obs_chars: the budgets.
         timeout, memory_mb: per call wall-time (s) and address-space (MiB) limits.
+        reward_correct, reward_incorrect: the two outcome rewards.
+        invalid_penalty: subtracted from the reward of an invalid step.
+        math_timeout: seconds allowed to math-verify per answer.
     """
 
     env_id = "agent_gym/CodeInterpreter-v0"
@@ -109,12 +111,11 @@ class CodeInterpreterEnv(TextEnv):
         pool_size: int = 1,
         reward_correct: float = 1.0,
         reward_incorrect: float = 0.0,
-        format_penalty: float = 0.0,
+        invalid_penalty: float = 0.0,
         math_timeout: float = DEFAULT_MATH_TIMEOUT,
         render_mode: str | None = None,
     ) -> None:
-        if protocol not in ("tool", "fenced"):
-            raise ValueError(f"protocol must be 'tool' or 'fenced', got {protocol!r}")
+        self.protocol = choose_protocol(protocol, PROTOCOLS)
         if mode not in _STATE:
             raise ValueError(f"mode must be 'stateful' or 'stateless', got {mode!r}")
         if max_code_calls < 0 or max_obs_chars < 100 or memory_mb < 64 or pool_size < 0:
@@ -124,16 +125,15 @@ class CodeInterpreterEnv(TextEnv):
         super().__init__(
             load_tasks(data_path, dataset, split),
             max_turns=max_turns,
+            reward_correct=reward_correct,
+            reward_incorrect=reward_incorrect,
+            invalid_penalty=invalid_penalty,
             render_mode=render_mode,
         )
         self.mode = mode
-        self.protocol = protocol
         self.max_code_calls = max_code_calls
         self.max_obs_chars = max_obs_chars
         self.timeout = timeout
-        self.reward_correct = reward_correct
-        self.reward_incorrect = reward_incorrect
-        self.format_penalty = format_penalty
         self.math_timeout = math_timeout
         limits = Limits(
             timeout=timeout, cpu_seconds=max(1, int(timeout)), memory_bytes=memory_mb << 20
@@ -151,18 +151,18 @@ class CodeInterpreterEnv(TextEnv):
     def _start(self, task: Task) -> Opening:
         self._calls = 0
         self.sandbox.reset()
-        prompt = TOOL_PROMPT if self.protocol == "tool" else FENCED_PROMPT
         problem = task.payload["problem"]
+        system = PROMPT.format(
+            n=self.max_code_calls, how=self.protocol.instructions("run code"),
+            state=_STATE[self.mode],
+        )
         return Opening(
             observation=problem,
             messages=[
-                {
-                    "role": "system",
-                    "content": prompt.format(n=self.max_code_calls, state=_STATE[self.mode]),
-                },
+                {"role": "system", "content": system},
                 {"role": "user", "content": problem},
             ],
-            tools=[CODE_TOOL.openai_schema()] if self.protocol == "tool" else [],
+            tools=self.protocol.tools,
             privileged={
                 "reference_answer": task.payload["answer"],
                 "oracle_actions": self._oracle(task),
@@ -175,18 +175,11 @@ class CodeInterpreterEnv(TextEnv):
         program = task.payload.get("program")
         if not program or self.max_code_calls < 1:
             return [final]
-        if self.protocol == "fenced":
-            return [f"Let me compute it.\n```python\n{program}\n```", final]
-        call = json.dumps({"name": CODE_TOOL.name, "arguments": {"code": program}})
-        return [f"Let me compute it.\n<tool_call>{call}</tool_call>", final]
+        return [self.protocol.format(program, preface="Let me compute it."), final]
 
     def _step(self, action: str) -> Transition:
         try:
-            if self.protocol == "tool":
-                call = parse_tool_call(action, [CODE_TOOL])
-                code = None if call is None else str(call.arguments["code"])
-            else:
-                code = parse_fenced_code(action, "python")
+            code = self.protocol.parse(action)
         except ToolCallError as err:
             return self._invalid(f"Invalid action: {err}.", role="user")
         if code is not None:
@@ -199,18 +192,18 @@ class CodeInterpreterEnv(TextEnv):
         }
         if score.answer is None:
             return self._invalid(NO_ANSWER, role="user", info=info)
-        reward = self.reward_correct if score.correct else self.reward_incorrect
         return Transition(
-            f"Final answer: {score.answer}", reward, terminated=True, role="user", info=info
+            f"Final answer: {score.answer}", self._outcome(score.correct), terminated=True,
+            role="user", info=info,
         )
 
     def _run(self, code: str) -> Transition:
-        role = "tool" if self.protocol == "tool" else "user"
+        """Run one parsed call; whatever comes back answers it, in the protocol's role."""
         if self._calls >= self.max_code_calls:
             return self._invalid(
                 f"No code runs left (the budget is {self.max_code_calls}); give the final "
                 "answer in \\boxed{}.",
-                role=role,
+                role=self.protocol.reply_role,
             )
         info: dict[str, Any] = {"isolation": self.isolation}
         if self.sandbox.launcher.warning:
@@ -220,29 +213,18 @@ class CodeInterpreterEnv(TextEnv):
         except SandboxError as err:
             # Not the agent's fault: no call spent and no penalty; the episode goes on.
             info["sandbox_error"] = str(err)
-            return self._observe(f"The code interpreter failed: {err}. Try again.", role, info)
+            return self._observe(f"The code interpreter failed: {err}. Try again.", info)
         self._calls += 1
         info.update(_result_info(result), code_calls=self._calls)
-        return self._observe(result.observation(), role, info)
+        return self._observe(result.observation(), info)
 
-    def _observe(self, text: str, role: str, info: dict[str, Any]) -> Transition:
-        text = sanitize_tool_output(text, self.max_obs_chars)
-        if self.protocol == "fenced":
-            text = f"<interpreter>\n{text}\n</interpreter>"
-        return self._last_turn(Transition(text, role=role, info=info))
+    def _observe(self, text: str, info: dict[str, Any]) -> Transition:
+        text = self.protocol.wrap(sanitize_tool_output(text, self.max_obs_chars))
+        return Transition(text, role=self.protocol.reply_role, info=info)
 
-    def _invalid(self, message: str, role: str, info: dict[str, Any] | None = None) -> Transition:
-        step = Transition(
-            message, -self.format_penalty or 0.0, invalid=True, role=role, info=dict(info or {})
-        )
-        return self._last_turn(step)
-
-    def _last_turn(self, step: Transition) -> Transition:
-        """An episode that runs out of turns without an answer scores as a wrong answer."""
-        if self.turn + 1 >= self.max_turns:
-            step.reward += self.reward_incorrect
-            step.info["no_answer"] = True
-        return step
+    @staticmethod
+    def _invalid(message: str, role: str, info: dict[str, Any] | None = None) -> Transition:
+        return Transition(message, invalid=True, role=role, info=info or {})
 
     def _close(self) -> None:
         self.sandbox.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import Opening, Task, TextEnv, Transition
+from agent_gym.core import Opening, OutcomeEnv, Task, Transition
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, extract_gsm8k_answer, score_math
 
 SYSTEM_PROMPT = (
@@ -15,16 +15,20 @@ SYSTEM_PROMPT = (
 NO_ANSWER = "No final answer found: write the final answer inside \\boxed{}."
 
 
-class GSM8KEnv(TextEnv):
-    """Math word problems graded by math-verify.
+class GSM8KEnv(OutcomeEnv):
+    """Math word problems graded by math-verify. There is no tool, so no action protocol:
+    every reply is an attempt at the answer.
 
     Observation: the problem text at reset; after a step, a short note on what was read as
     the answer (the reference is never revealed).
     Action: the assistant's reply; its last ``\\boxed{...}`` is the answer.
     Reward: ``reward_correct`` when math-verify finds the answer equivalent to the
-    reference, else ``reward_incorrect``.
-    Episode end: terminated after a boxed answer. With ``max_turns > 1`` a reply without
-    one is marked invalid and the user asks again; truncated once the turns run out.
+    reference, else ``reward_incorrect``; a reply without a boxed answer is invalid
+    (``-invalid_penalty``), and on the last turn it also earns ``reward_incorrect``.
+    Episode end: terminated by a boxed answer; truncated once ``max_turns`` replies went by
+    without one (with ``max_turns=1``, a single unanswered reply).
+    Info: ``answer`` (what was read, or None) and ``correct``; ``no_answer`` on a truncated
+    last step.
 
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``answer`` (GSM8K format,
@@ -32,7 +36,8 @@ class GSM8KEnv(TextEnv):
         split: load ``openai/gsm8k`` (config ``main``) from the hub, e.g. ``"test"``.
             Neither given: the bundled original set.
         max_turns: replies allowed (1 = single-turn).
-        reward_correct, reward_incorrect: the two reward values.
+        reward_correct, reward_incorrect: the two outcome rewards.
+        invalid_penalty: subtracted from the reward of a reply without a boxed answer.
         math_timeout: seconds allowed to math-verify per answer.
     """
 
@@ -45,16 +50,18 @@ class GSM8KEnv(TextEnv):
         max_turns: int = 1,
         reward_correct: float = 1.0,
         reward_incorrect: float = 0.0,
+        invalid_penalty: float = 0.0,
         math_timeout: float = DEFAULT_MATH_TIMEOUT,
         render_mode: str | None = None,
     ) -> None:
         super().__init__(
             load_tasks(data_path, split),
             max_turns=max_turns,
+            reward_correct=reward_correct,
+            reward_incorrect=reward_incorrect,
+            invalid_penalty=invalid_penalty,
             render_mode=render_mode,
         )
-        self.reward_correct = reward_correct
-        self.reward_incorrect = reward_incorrect
         self.math_timeout = math_timeout
 
     def _start(self, task: Task) -> Opening:
@@ -74,13 +81,11 @@ class GSM8KEnv(TextEnv):
     def _step(self, action: str) -> Transition:
         score = score_math(action, self.task.payload["reference"], self.math_timeout)
         info: dict[str, Any] = {"answer": score.answer, "correct": score.correct}
-        if score.answer is None and self.turn + 1 < self.max_turns:
+        if score.answer is None:
             return Transition(NO_ANSWER, invalid=True, role="user", info=info)
-        reward = self.reward_correct if score.correct else self.reward_incorrect
-        observation = NO_ANSWER if score.answer is None else f"Final answer: {score.answer}"
         return Transition(
-            observation, reward, terminated=True, invalid=score.answer is None, role="user",
-            info=info,
+            f"Final answer: {score.answer}", self._outcome(score.correct), terminated=True,
+            role="user", info=info,
         )
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import Opening, Task, TextEnv, Transition
+from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.protocols import TagProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.rewards import exact_match, f1_score
 from agent_gym.search import (
     BACKENDS,
@@ -19,13 +19,7 @@ from agent_gym.search import (
     cache_root,
     open_backend,
 )
-from agent_gym.tools import (
-    ToolCallError,
-    ToolSpec,
-    parse_tag_call,
-    parse_tool_call,
-    sanitize_tool_output,
-)
+from agent_gym.tools import ToolCallError, ToolSpec, parse_tag_call, sanitize_tool_output
 
 SEARCH_TOOL = ToolSpec(
     name="search",
@@ -37,15 +31,10 @@ SEARCH_TOOL = ToolSpec(
         "additionalProperties": False,
     },
 )
-TOOL_PROMPT = (
-    "Answer the question. You can look things up with the `search` tool, which returns "
-    "encyclopedia passages; call it at most {n} times, one call per message. When you know "
-    "the answer, end your message with a line `Answer: <short answer>`."
-)
-TAG_PROMPT = (
-    "Answer the given question. You can reason first. To search, end your message with "
-    "<search> query </search>; the results come back between <information> and "
-    "</information>. You can search at most {n} times. When you know the answer, end your "
+PROTOCOLS = (ToolCallProtocol(SEARCH_TOOL, "query"), TagProtocol("search", "information", "query"))
+PROMPT = (
+    "Answer the given question. You can reason first, and look things up in an encyclopedia "
+    "at most {n} times, one search per message. {how} When you know the answer, end your "
     "message with <answer> short answer </answer>, without explanation."
 )
 # FlashRAG's copies of NQ and HotpotQA, the data Search-R1 trains and evaluates on.
@@ -55,21 +44,27 @@ _ANSWER_LINE = re.compile(r"^[ \t*#]*(?:final\s+)?answer\s*:\s*(.*?)\s*$", re.I 
 MAX_QUERY_CHARS = 500
 
 
-class SearchEnv(TextEnv):
+class SearchEnv(OutcomeEnv):
     """Multi-turn retrieval QA: search, read passages, answer.
 
     Observation: the question at reset; after a search, the top passages ("Doc i (Title:
-    ...) text", each capped) and the searches left; after an answer, what was read as the
-    answer. Backend failures (server down, retries exhausted) come back as an error
-    observation and the episode goes on.
+    ...) text", each capped) and the searches left, wrapped by the protocol; after an
+    answer, what was read as the answer. Backend failures (server down, retries exhausted)
+    come back as an error observation and the episode goes on.
     Action: the assistant's reply. With ``protocol="tool"`` a search is a ``search`` tool
-    call (Hermes JSON or Qwen3 XML); with ``protocol="tag"`` it is Search-R1's
-    ``<search>query</search>``. The answer is ``<answer>...</answer>`` ending the message or
-    a last line ``Answer: ...``, in either protocol.
-    Reward: 1.0 when the answer exactly matches a gold answer after SQuAD normalisation,
-    else 0.0; token F1 is in ``info["f1"]``. An invalid step (malformed call, neither
-    search nor answer, search budget spent) earns ``-format_penalty``.
+    call (Hermes JSON or Qwen3 XML), answered by a ``tool`` message; with
+    ``protocol="tag"`` it is Search-R1's ``<search>query</search>``, answered by a ``user``
+    message in ``<information>`` tags. The answer is ``<answer>...</answer>`` ending the
+    message or a last line ``Answer: ...``, in either protocol.
+    Reward: ``reward_correct`` when the answer exactly matches a gold answer after SQuAD
+    normalisation, else ``reward_incorrect``, which is also the last step's reward when the
+    turns run out without an answer. An invalid step (malformed call, neither search nor
+    answer, empty or over-long query, search budget spent) earns ``-invalid_penalty``; a
+    backend failure is not the agent's fault and costs nothing.
     Episode end: terminated by an answer; truncated after ``max_turns`` replies.
+    Info: after a search ``query`` and ``passage_ids`` (or ``search_error``); after an
+    answer ``answer``, ``em``, token ``f1`` and ``searches``; ``no_answer`` on a truncated
+    last step.
 
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``golden_answers`` (FlashRAG),
@@ -88,7 +83,8 @@ class SearchEnv(TextEnv):
         topk, passage_chars, max_obs_chars: passages per search, characters per passage,
             characters per observation.
         max_searches, max_turns: the search and reply budgets.
-        format_penalty: subtracted on every invalid step (0 by default, as in Search-R1's
+        reward_correct, reward_incorrect: the two outcome rewards.
+        invalid_penalty: subtracted on every invalid step (0 by default, as in Search-R1's
             EM-only reward).
         timeout, max_retries: per request to the ``http`` and ``wikipedia`` backends.
     """
@@ -111,13 +107,14 @@ class SearchEnv(TextEnv):
         max_turns: int = 6,
         passage_chars: int = 600,
         max_obs_chars: int = 4000,
-        format_penalty: float = 0.0,
+        reward_correct: float = 1.0,
+        reward_incorrect: float = 0.0,
+        invalid_penalty: float = 0.0,
         timeout: float = 10.0,
         max_retries: int = 3,
         render_mode: str | None = None,
     ) -> None:
-        if protocol not in ("tool", "tag"):
-            raise ValueError(f"protocol must be 'tool' or 'tag', got {protocol!r}")
+        self.protocol = choose_protocol(protocol, PROTOCOLS)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if topk < 1 or max_searches < 0 or passage_chars < 1 or max_obs_chars < 100:
@@ -126,14 +123,15 @@ class SearchEnv(TextEnv):
         super().__init__(
             load_tasks(data_path, dataset, split),
             max_turns=max_turns,
+            reward_correct=reward_correct,
+            reward_incorrect=reward_incorrect,
+            invalid_penalty=invalid_penalty,
             render_mode=render_mode,
         )
-        self.protocol = protocol
         self.topk = topk
         self.max_searches = max_searches
         self.passage_chars = passage_chars
         self.max_obs_chars = max_obs_chars
-        self.format_penalty = format_penalty
         raw = open_backend(backend, corpus=corpus, index_dir=index_dir, url=url,
                            timeout=timeout, max_retries=max_retries)
         self.backend = CachedBackend(raw, _open_cache(cache, backend))
@@ -142,15 +140,15 @@ class SearchEnv(TextEnv):
     # ------------------------------------------------------------------ episode
     def _start(self, task: Task) -> Opening:
         self._searches = 0
-        prompt = TOOL_PROMPT if self.protocol == "tool" else TAG_PROMPT
         question = task.payload["question"]
+        system = PROMPT.format(n=self.max_searches, how=self.protocol.instructions("search"))
         return Opening(
             observation=question,
             messages=[
-                {"role": "system", "content": prompt.format(n=self.max_searches)},
+                {"role": "system", "content": system},
                 {"role": "user", "content": question},
             ],
-            tools=[SEARCH_TOOL.openai_schema()] if self.protocol == "tool" else [],
+            tools=self.protocol.tools,
             privileged={
                 "answers": list(task.payload["answers"]),
                 "gold_passage_ids": list(task.payload["supporting"]),
@@ -162,36 +160,24 @@ class SearchEnv(TextEnv):
         """The scripted solution: search each supporting passage's title, then answer."""
         queries = task.payload["oracle_queries"][: self.max_searches]
         answer = task.payload["answers"][0]
-        if self.protocol == "tag":
-            return [f"<search>{q}</search>" for q in queries] + [f"<answer>{answer}</answer>"]
-        calls = [json.dumps({"name": "search", "arguments": {"query": q}}, ensure_ascii=False)
-                 for q in queries]
-        return [f"<tool_call>{c}</tool_call>" for c in calls] + [f"Answer: {answer}"]
+        return [self.protocol.format(q) for q in queries] + [f"<answer>{answer}</answer>"]
 
     def _step(self, action: str) -> Transition:
         try:
             if action.rstrip().endswith("</answer>"):
                 return self._answer(parse_tag_call(action, "answer") or "")
-            query = self._parse_search(action)
+            query = self.protocol.parse(action)
         except ToolCallError as err:
             return self._invalid(f"Invalid action: {err}.")
         if query is not None:
-            return self._search(query)
+            return self._search(query.strip())
         line = _ANSWER_LINE.findall(action)
         if line:
             return self._answer(line[-1])
-        how = ("call the search tool" if self.protocol == "tool"
-               else "end your message with <search> query </search>")
         return self._invalid(
-            f"No search and no answer found. To search, {how}. To answer, end your message "
-            "with <answer> ... </answer> or a line 'Answer: ...'."
+            f"No search and no answer found. {self.protocol.instructions('search')} To answer, "
+            "end your message with <answer> ... </answer> or a line 'Answer: ...'."
         )
-
-    def _parse_search(self, action: str) -> str | None:
-        if self.protocol == "tag":
-            return parse_tag_call(action, "search")
-        call = parse_tool_call(action, [SEARCH_TOOL])
-        return None if call is None else str(call.arguments["query"]).strip()
 
     def _search(self, query: str) -> Transition:
         """Run one search; answers to a parsed call are `tool` messages, even refusals."""
@@ -228,12 +214,8 @@ class SearchEnv(TextEnv):
         return "\n".join(docs)
 
     def _observe(self, text: str, info: dict[str, Any], invalid: bool = False) -> Transition:
-        text = sanitize_tool_output(text, self.max_obs_chars)
-        reward = (-self.format_penalty or 0.0) if invalid else 0.0
-        if self.protocol == "tag":
-            return Transition(f"<information>{text}</information>", reward, invalid=invalid,
-                              role="user", info=info)
-        return Transition(text, reward, invalid=invalid, role="tool", info=info)
+        text = self.protocol.wrap(sanitize_tool_output(text, self.max_obs_chars))
+        return Transition(text, invalid=invalid, role=self.protocol.reply_role, info=info)
 
     def _answer(self, answer: str) -> Transition:
         answer = answer.strip().strip("*").strip()  # "**Answer:** x" in markdown
@@ -243,13 +225,14 @@ class SearchEnv(TextEnv):
         correct = exact_match(answer, golds)
         info = {"answer": answer, "em": correct, "f1": f1_score(answer, golds),
                 "searches": self._searches}
-        return Transition(f"Final answer: {answer}", 1.0 if correct else 0.0, terminated=True,
+        return Transition(f"Final answer: {answer}", self._outcome(correct), terminated=True,
                           role="user", info=info)
 
-    def _invalid(self, message: str) -> Transition:
+    @staticmethod
+    def _invalid(message: str) -> Transition:
         """No call was executed, so the reply is a `user` message (a `tool` message must
         answer a call)."""
-        return Transition(message, -self.format_penalty or 0.0, invalid=True, role="user")
+        return Transition(message, invalid=True, role="user")
 
     def _close(self) -> None:
         self.backend.close()

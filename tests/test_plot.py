@@ -1,0 +1,71 @@
+"""``agent-gym train plot``: a panel for every numeric metric of any trainer's run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from matplotlib.figure import Figure
+
+from tests import grpo_toy
+from trainers.cli import register
+from trainers.grpo import Args, train
+from trainers.plot import draw, main, numeric_metrics, plot
+from trainers.run import METRICS_FILE, read_metrics
+
+
+def titles(figure: Figure) -> list[str]:
+    return [axis.get_title() for axis in figure.axes if axis.get_visible()]
+
+
+def test_a_grpo_run_gets_a_panel_for_every_metric_it_logged(tmp_path: Path) -> None:
+    model = grpo_toy.save_tiny_model(tmp_path / "model")
+    train(Args(env_id=grpo_toy.ENV_ID, model=model, lora_rank=0, steps=2, batch_size=2,
+               group_size=4, learning_rate=1e-2, max_tokens=4, max_trajectory_tokens=64,
+               out=str(tmp_path / "run"), progress=False))
+    rows = read_metrics(tmp_path / "run" / METRICS_FILE)
+    shown = titles(draw(rows))
+    for key in ("reward_mean", "degenerate_rate", "loss", "grad_norm", "sampled_tokens",
+                "trained_tokens", "time_sampler", "time_rollout", "time_train", "time_step"):
+        assert key in shown, key
+    assert "step" not in shown and "end_reasons" not in shown  # an axis and a dict of counts
+    assert shown == numeric_metrics(rows)
+    image = plot(tmp_path / "run")
+    assert image == tmp_path / "run" / "metrics.png" and image.stat().st_size > 10_000
+
+
+def test_warmup_is_shaded_and_the_critic_error_has_its_baseline() -> None:
+    rows = [{"step": s, "phase": "warmup" if s < 2 else "td", "critic/abs_error_mean": 0.5 - s / 10,
+             "critic/abs_error_constant": 0.4, "is/weight_mean": None if s < 2 else 1.0,
+             "flag": True} for s in range(4)]
+    figure = draw(rows)
+    assert titles(figure) == ["critic/abs_error_mean", "is/weight_mean"]
+    error, weight = figure.axes[:2]
+    assert [line.get_label() for line in error.get_lines()][1] == "best constant"
+    assert list(error.get_lines()[1].get_ydata()) == [0.4] * 4
+    assert list(weight.get_lines()[0].get_xdata()) == [2, 3]  # None is not a point
+    assert all(len(axis.patches) == 1 for axis in (error, weight))  # the warm-up span
+
+
+def test_plot_command_and_its_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(FileNotFoundError):
+        plot(tmp_path)
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 0, "end_reasons": {}}) + "\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert "no numeric metric" in capsys.readouterr().err
+    (tmp_path / METRICS_FILE).write_text(json.dumps({"step": 0, "phase": "warmup",
+                                                     "critic/abs_error_mean": 0.4}) + "\n")
+    assert main([str(tmp_path), "--out", str(tmp_path / "p.png")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "p.png")
+    assert (tmp_path / "p.png").is_file()
+    # `agent-gym train plot RUN` is this command
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    parsed = parser.parse_args(["train", "plot", str(tmp_path)])
+    assert parsed.run(parsed) == 0 and (tmp_path / "metrics.png").is_file()

@@ -1,0 +1,150 @@
+"""The run module every trainer shares: arguments and their checks, opening a run (turn
+budget, resume, metrics trimmed), the env pool, the update, metrics lines, checkpoints and
+seeds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium
+import pytest
+
+from tests import grpo_toy
+from tests.test_store import resume_point
+from trainers.backends.local import LocalServiceClient
+from trainers.run import (
+    CHECKPOINT_FILE,
+    METRICS_FILE,
+    Checkpoint,
+    EnvPool,
+    RunArgs,
+    derive_seed,
+    open_run,
+    parse_args,
+    read_metrics,
+)
+from trainers.store import StateStore
+
+
+@dataclass
+class ToyArgs(RunArgs):
+    env_id: str = grpo_toy.ENV_ID
+    lora_rank: int = 0
+    out: str = "runs/toy"
+    steps: int = 3
+    ratio: float = 0.5
+    flag: bool = False
+
+    def problems(self) -> list[str]:
+        return [*super().problems(), *(["--ratio must be below 1"] if self.ratio >= 1 else [])]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return grpo_toy.save_tiny_model(tmp_path_factory.mktemp("toy-model"))
+
+
+def toy(model: str, out: Path, **overrides: object) -> ToyArgs:
+    return ToyArgs(model=model, out=str(out), progress=False, **overrides)  # type: ignore[arg-type]
+
+
+def test_options_come_from_the_fields_of_the_trainers_args() -> None:
+    args = parse_args(ToyArgs, ["--max-turns", "3", "--ratio", "0.25", "--flag", "--ray",
+                                "local", "--env-kwargs", '{"max_turns": 4}'], "toy", "")
+    assert (args.max_turns, args.ratio, args.flag, args.ray, args.env_kwargs) == (
+        3, 0.25, True, "local", {"max_turns": 4})
+    defaults = parse_args(ToyArgs, [], "toy", "")
+    assert defaults == ToyArgs() and defaults.max_turns is None and defaults.env_id == grpo_toy.ENV_ID
+    for bad in (["--ratio", "2"], ["--max-turns", "0"], ["--loss", "dpo"], ["--save-every", "0"],
+                ["--backend", "pytrio", "--lora-rank", "0"], ["--temperature", "0.5"]):
+        with pytest.raises(SystemExit):
+            parse_args(ToyArgs, bad, "toy", "")
+
+
+def test_seeds_depend_only_on_what_they_are_for() -> None:
+    assert derive_seed(0, 3, "group", 1) == derive_seed(0, 3, "group", 1)
+    seeds = {derive_seed(s, step, p, i) for s in (0, 1) for step in (0, 1)
+             for p in ("group", "td") for i in range(4)}
+    assert len(seeds) == 32 and all(0 <= s < 2**31 for s in seeds)
+
+
+def test_the_pool_builds_an_env_per_concurrent_borrower_and_closes_them_all() -> None:
+    closed: list[gymnasium.Env] = []
+
+    class Counted(grpo_toy.SayDigitEnv):
+        def close(self) -> None:
+            closed.append(self)
+
+    pool = EnvPool(Counted)
+    first, second = pool(), pool()
+    first.close()
+    third = pool()  # the idle env is handed out again
+    assert pool.built == 2 and third.unwrapped is first.unwrapped and not closed
+    second.close()
+    third.close()
+    pool.close()
+    assert len(closed) == 2
+
+
+def test_a_run_plays_the_envs_turn_budget_unless_told_otherwise(model: str, tmp_path: Path) -> None:
+    with open_run(toy(model, tmp_path / "a"), 3) as run:
+        assert run.max_turns == 2 and run.num_tasks == len(grpo_toy.DIGITS)
+        assert run.start == 0 and run.resumed is None
+    with open_run(toy(model, tmp_path / "b", env_kwargs={"max_turns": 5}), 3) as run:
+        assert run.max_turns == 5
+    with open_run(toy(model, tmp_path / "c", max_turns=1), 3) as run:
+        assert run.max_turns == 1
+        tasks = run.tasks(run.rng(0), 6)
+        assert tasks == run.tasks(run.rng(0), 6) and {t["index"] for t in tasks} == set(range(4))
+        assert len({t["index"] for t in run.tasks(run.rng(1), 3)}) == 3  # distinct when possible
+
+
+def test_finish_writes_the_line_then_the_checkpoint_and_resume_trims(
+    model: str, tmp_path: Path
+) -> None:
+    args = toy(model, tmp_path, save_every=2)
+    with open_run(args, 3) as run:
+        assert run.update([]) == {"datums": 0, "trained_tokens": 0, "loss": None,
+                                  "loss_sum": None, "grad_norm": None}
+        store = StateStore(10, 10)
+        for step in run.progress():
+            store.add([resume_point(step)])
+            run.finish(step, {"step": step, "value": step / 2}, store)
+            saved = Checkpoint.read(tmp_path / CHECKPOINT_FILE) if step else None
+            if step == 1:  # save_every=2: the second step is checkpointed
+                assert saved is not None and saved.step == 2 and saved.store == "store-000002.json"
+    assert Checkpoint.read(tmp_path / CHECKPOINT_FILE).step == 3  # and the last one
+    assert sorted(p.name for p in tmp_path.glob("store-*.json")) == ["store-000003.json"]
+    assert [row["step"] for row in read_metrics(tmp_path / METRICS_FILE)] == [0, 1, 2]
+
+    # a kill after a line but before its checkpoint: the resumed run redoes that step
+    checkpoint = json.loads((tmp_path / CHECKPOINT_FILE).read_text())
+    (tmp_path / CHECKPOINT_FILE).write_text(json.dumps(checkpoint | {"step": 2}))
+    with open_run(toy(model, tmp_path, resume=True), 3) as run:
+        assert run.start == 2 and run.resumed is not None and run.resumed.store is not None
+        assert [row["step"] for row in read_metrics(tmp_path / METRICS_FILE)] == [0, 1]
+    with pytest.raises(ValueError, match="used model"):
+        open_run(toy("tiny", tmp_path, resume=True), 3)
+
+
+def test_a_lora_only_service_refuses_full_fine_tuning(model: str, tmp_path: Path) -> None:
+    class LoraOnly:
+        def __init__(self) -> None:
+            self.local = LocalServiceClient()
+            self.ranks: list[int] = []
+
+        def create_lora_training_client(self, base_model: str, rank: int = 32,
+                                        seed: int | None = None) -> object:
+            self.ranks.append(rank)
+            return self.local.create_lora_training_client(base_model, rank=rank, seed=seed)
+
+        def create_training_client_from_state_with_optimizer(self, path: str) -> object:
+            return self.local.create_training_client_from_state_with_optimizer(path)
+
+    service = LoraOnly()
+    with pytest.raises(ValueError, match="LoRA adapters only"):
+        open_run(toy(model, tmp_path), 1, service)  # type: ignore[arg-type]
+    with open_run(toy(model, tmp_path, lora_rank=4), 1, service):  # type: ignore[arg-type]
+        assert service.ranks == [4]

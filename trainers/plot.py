@@ -1,0 +1,100 @@
+"""``agent-gym train plot RUN``: a panel for every numeric metric a training run logged.
+
+Works on any trainer's ``metrics.jsonl`` (one line per step, see ``trainers.run``): every
+key whose values are numbers gets a panel, in the order the run first logged it. Steps
+whose ``phase`` is ``warmup`` (TEMPO's critic-only updates) are shaded, and a metric with a
+baseline logged beside it (the critic's error next to the best constant's) draws the
+baseline dashed in its own panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from trainers.run import METRICS_FILE, Metrics, read_metrics
+
+PLOT_FILE = "metrics.png"
+COLUMNS = 5
+# metric -> the baseline drawn in its panel (and not in a panel of its own)
+BASELINES = {"critic/abs_error_mean": ("critic/abs_error_constant", "best constant")}
+NOT_PLOTTED = frozenset({"step"})
+
+
+def numeric_metrics(rows: Sequence[Metrics]) -> list[str]:
+    """The keys the rows hold numbers under (booleans and nested values are not), in the
+    order they first appear, without ``step`` and without the baselines."""
+    hidden = NOT_PLOTTED | {baseline for baseline, _ in BASELINES.values()}
+    keys: dict[str, None] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in hidden and _is_number(value):
+                keys.setdefault(key)
+    return list(keys)
+
+
+def draw(rows: Sequence[Metrics]) -> Figure:
+    """The figure: one panel per numeric metric, titled with its key."""
+    shown = numeric_metrics(rows)
+    if not shown:
+        raise ValueError("the run logged no numeric metric")
+    lines = math.ceil(len(shown) / COLUMNS)
+    figure = Figure(figsize=(16, 3 * lines))
+    axes = list(figure.subplots(lines, COLUMNS, squeeze=False).flat)
+    warmup = [row["step"] for row in rows if row.get("phase") == "warmup"]
+    for axis, key in zip(axes, shown, strict=False):
+        axis.plot(*_series(rows, key), marker="o", markersize=3)
+        if key in BASELINES:
+            baseline, label = BASELINES[key]
+            steps, values = _series(rows, baseline)
+            if steps:
+                axis.plot(steps, values, linestyle="--", color="0.4", label=label)
+                axis.legend(fontsize=7)
+        if warmup:
+            axis.axvspan(min(warmup) - 0.5, max(warmup) + 0.5, color="0.9")
+        axis.set_title(key, fontsize=9)
+        axis.set_xlabel("step", fontsize=8)
+        axis.tick_params(labelsize=7)
+    for axis in axes[len(shown):]:
+        axis.set_visible(False)
+    figure.tight_layout()
+    return figure
+
+
+def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw a run's metrics to ``out`` (default ``RUN_DIR/metrics.png``); returns the path."""
+    source = Path(run_dir) / METRICS_FILE
+    if not source.is_file():
+        raise FileNotFoundError(f"{source} does not exist: is {run_dir} a training run?")
+    try:
+        figure = draw(read_metrics(source))
+    except ValueError as err:
+        raise ValueError(f"{source}: {err}") from err
+    target = Path(out) if out else Path(run_dir) / PLOT_FILE
+    figure.savefig(target, dpi=100)
+    return target
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agent-gym train plot", description=plot.__doc__)
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
+    options = parser.parse_args(argv)
+    try:
+        print(plot(options.run_dir, options.out))
+    except (FileNotFoundError, ValueError) as err:
+        parser.error(str(err))
+    return 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _series(rows: Sequence[Metrics], key: str) -> tuple[list[int], list[float]]:
+    points = [(row["step"], row[key]) for row in rows if _is_number(row.get(key))]
+    return [step for step, _ in points], [value for _, value in points]
