@@ -18,7 +18,6 @@ in the process that runs the rollouts.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +33,8 @@ except ImportError as err:  # tinker-cookbook is an optional extra
     raise ImportError("agent_gym.adapters.tinker needs tinker-cookbook: "
                       "pip install 'agent-gym[tinker]'") from err
 
-from agent_gym.adapters import tool_call_text
 from agent_gym.state import EnvState
+from agent_gym.tools import format_tool_call
 
 
 class AgentGymMessageEnv(MessageEnv):
@@ -91,16 +90,12 @@ class AgentGymMessageEnv(MessageEnv):
 
 
 def reply_text(message: renderers.Message) -> str:
-    """The assistant's message as the env reads it: its text, then its tool calls (parsed
-    ones in the JSON form, unparsable ones verbatim so the env explains what is wrong)."""
+    """The assistant's message as the env reads it: its text, then its tool calls in the
+    Hermes form with the model's argument JSON kept verbatim, so the env's strict parser
+    (not this adapter) judges them; unparsable ones go in as the model wrote them."""
     parts = [renderers.get_text_content(message)]
-    for call in message.get("tool_calls") or []:
-        try:
-            arguments = json.loads(call.function.arguments or "{}")
-        except json.JSONDecodeError:
-            parts.append(call.function.arguments)
-            continue
-        parts.append(tool_call_text(call.function.name, arguments))
+    parts += [format_tool_call(call.function.name, call.function.arguments or "{}")
+              for call in message.get("tool_calls") or []]
     parts += [call.raw_text for call in message.get("unparsed_tool_calls") or []]
     return "\n".join(part for part in parts if part)
 

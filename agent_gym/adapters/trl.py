@@ -29,14 +29,9 @@ from typing import Any
 
 import gymnasium
 
-from agent_gym.adapters import tool_call_text
 from agent_gym.core import TextEnv
 from agent_gym.state import EnvState
 
-_JSON_TYPES: dict[str, type] = {
-    "string": str, "integer": int, "number": float, "boolean": bool, "array": list,
-    "object": dict,
-}
 EPISODE_OVER = "The episode is over; give your final answer."
 
 
@@ -83,8 +78,9 @@ class AgentGymTRLEnv:
         self._last_info = info
         return observation
 
-    def _call_tool(self, name: str, arguments: Mapping[str, Any]) -> str:
-        return self._act(tool_call_text(name, arguments))
+    def _call_tool(self, argument: str) -> str:
+        """The env's tool called with ``argument``, written by the env's own protocol."""
+        return self._act(self._env.unwrapped.protocol.format(argument))
 
     # Private, like every helper here: TRL exposes each public method as a tool.
     def _finish(self, final_reply: str | None) -> float:
@@ -96,35 +92,31 @@ class AgentGymTRLEnv:
 
 
 def _tool_method(schema: Mapping[str, Any]) -> Callable[..., str]:
-    """A method named after the tool, with typed parameters and a Google docstring, as
-    TRL (through ``transformers.utils.get_json_schema``) requires of tools."""
+    """A method named after the tool, with its one string parameter typed and described in
+    a Google docstring, as TRL (through ``transformers.utils.get_json_schema``) requires of
+    tools. Every agent_gym tool takes one required string (the protocols' contract)."""
     function = schema["function"]
     name = function["name"]
-    parameters = function.get("parameters", {})
-    properties: Mapping[str, Any] = parameters.get("properties", {})
-    required = set(parameters.get("required", []))
-    signature_parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    annotations: dict[str, Any] = {}
-    lines = [function.get("description") or name, "", "Args:"]
-    for argument, spec in properties.items():
-        kind = _JSON_TYPES.get(spec.get("type", "string"), str)
-        annotations[argument] = kind if argument in required else kind | None
-        signature_parameters.append(inspect.Parameter(
-            argument, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotations[argument],
-            default=inspect.Parameter.empty if argument in required else None,
-        ))
-        lines.append(f"    {argument}: {spec.get('description') or argument}")
-    lines += ["", "Returns:", "    What the environment observes after the call."]
+    properties: Mapping[str, Any] = function.get("parameters", {}).get("properties", {})
+    (argument, spec), = properties.items()
+    signature = inspect.Signature([
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter(argument, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+    ])
+    lines = [function.get("description") or name, "", "Args:",
+             f"    {argument}: {spec.get('description') or argument}", "",
+             "Returns:", "    What the environment observes after the call."]
 
     def method(self: AgentGymTRLEnv, *args: Any, **kwargs: Any) -> str:
-        bound = method.__signature__.bind(self, *args, **kwargs)  # type: ignore[attr-defined]
-        given = {k: v for k, v in list(bound.arguments.items())[1:] if v is not None}
-        return self._call_tool(name, given)
+        value = signature.bind(self, *args, **kwargs).arguments[argument]
+        if not isinstance(value, str):
+            raise TypeError(f"{name}: {argument} must be a string, got {type(value).__name__}")
+        return self._call_tool(value)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = "\n".join(lines)
-    method.__signature__ = inspect.Signature(signature_parameters)  # type: ignore[attr-defined]
-    method.__annotations__ = annotations
+    method.__signature__ = signature  # type: ignore[attr-defined]
+    method.__annotations__ = {argument: str}
     return method
 
 
@@ -135,15 +127,14 @@ def trl_environment(env_id: str, **env_kwargs: Any) -> type[AgentGymTRLEnv]:
     try:
         if not isinstance(probe.unwrapped, TextEnv):
             raise ValueError(f"{env_id} is not an agent_gym env")
-        _, info = probe.reset(options={"index": 0})
-        protocol = getattr(probe.unwrapped, "protocol", "tool")
+        protocol = getattr(probe.unwrapped, "protocol", None)
     finally:
         probe.close()
-    tools = info.get("tools") or []
-    if protocol != "tool":
+    tools = [] if protocol is None else protocol.tools
+    if protocol is not None and not tools:
         raise ValueError(
-            f"{env_id} was built with protocol={protocol!r}; TRL calls tools as functions, so "
-            "build it with protocol='tool'"
+            f"{env_id} was built with protocol={protocol.name!r}; TRL calls tools as "
+            "functions, so build it with protocol='tool'"
         )
     namespace: dict[str, Any] = {"env_id": env_id, "env_kwargs": dict(env_kwargs),
                                  "__doc__": f"{env_id} for TRL's GRPOTrainer."}
