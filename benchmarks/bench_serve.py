@@ -4,11 +4,14 @@ For GSM8K-v0 (a step that does almost nothing, so the figure is the server's own
 Search-v0 (a BM25 search per step), with 1, 16 and 64 concurrent sessions: steps/s and
 p50/p99 step latency through the server, next to the same steps on in-process envs stepped
 from as many threads (how eval and the trainers step local envs). "added_p50_ms" is the
-server's p50 minus the in-process p50 at the same concurrency. Then the number of sessions
+server's p50 minus the in-process p50 at the same concurrency, both closed-loop (as fast as
+answers come: the throughput, and at 64 sessions mostly queueing) and paced (the sessions
+together offer a fixed rate, as trainers whose model thinks between steps do: the latency a
+step through the server adds). Then the number of sessions
 the server holds (default limit) before it refuses one. The server and the clients share
 this machine's cores, so the figures include the client's own cost.
 
-    .venv/bin/python benchmarks/bench_serve.py [--steps 960]
+    .venv/bin/python benchmarks/bench_serve.py [--steps 960] [--rate 400]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -54,14 +58,18 @@ def summary(latencies: list[float], elapsed: float) -> dict[str, float]:
     }
 
 
-async def in_process(env_id: str, sessions: int, steps: int) -> dict[str, float]:
+async def in_process(env_id: str, sessions: int, steps: int, pace_s: float = 0.0
+                     ) -> dict[str, float]:
     envs = [gymnasium.make(env_id, **ENVS[env_id]) for _ in range(sessions)]
     for index, env in enumerate(envs):
         env.reset(options={"index": index % 20})
     latencies: list[float] = []
 
     async def drive(env: gymnasium.Env) -> None:
+        pacing = random.Random(id(env))
         for _ in range(steps // sessions):
+            if pace_s:
+                await asyncio.sleep(pacing.uniform(0, 2 * pace_s))
             started = time.perf_counter()
             await asyncio.to_thread(env.step, ACTIONS[env_id])
             latencies.append(time.perf_counter() - started)
@@ -74,7 +82,8 @@ async def in_process(env_id: str, sessions: int, steps: int) -> dict[str, float]
     return summary(latencies, elapsed)
 
 
-async def served(url: str, env_id: str, sessions: int, steps: int) -> dict[str, float]:
+async def served(url: str, env_id: str, sessions: int, steps: int, pace_s: float = 0.0
+                 ) -> dict[str, float]:
     from websockets.asyncio.client import connect
 
     sockets = [await connect(url.replace("http", "ws") + "/ws", compression=None)
@@ -86,7 +95,10 @@ async def served(url: str, env_id: str, sessions: int, steps: int) -> dict[str, 
     step = frame("step", {"text": ACTIONS[env_id]})
 
     async def drive(ws: Any) -> None:
+        pacing = random.Random(id(ws))
         for _ in range(steps // sessions):
+            if pace_s:
+                await asyncio.sleep(pacing.uniform(0, 2 * pace_s))
             started = time.perf_counter()
             await ws.send(step)
             reply = await ws.recv()
@@ -126,6 +138,8 @@ async def capacity(url: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=960, help="steps per measurement")
+    parser.add_argument("--rate", type=int, default=400,
+                        help="steps/s all sessions offer together in the paced runs")
     args = parser.parse_args()
     report: dict[str, Any] = {"load_before": os.getloadavg(), "steps": args.steps,
                               "cpus": os.cpu_count(), "envs": {}}
@@ -135,12 +149,26 @@ def main() -> None:
         rows: dict[str, Any] = {}
         with running_server(env_id, *env_args, "--max-sessions", "80") as url:
             for sessions in SESSIONS:
+                # Closed loop (each session steps again as soon as it is answered): the
+                # most steps/s; at many sessions its latency is mostly queueing for the cores.
                 local = asyncio.run(in_process(env_id, sessions, args.steps))
                 remote = asyncio.run(served(url, env_id, sessions, args.steps))
+                # Paced (sessions together offer args.rate steps/s, as a trainer whose
+                # model thinks between steps does): the latency one step adds.
+                pace = sessions / args.rate
+                paced_local = asyncio.run(in_process(env_id, sessions, args.steps // 2, pace))
+                paced_remote = asyncio.run(served(url, env_id, sessions, args.steps // 2, pace))
                 rows[f"{sessions}_sessions"] = {
-                    "in_process": local, "websocket": remote,
-                    "added_p50_ms": round(remote["p50_ms"] - local["p50_ms"], 3),
-                    "throughput_ratio": round(remote["steps_per_s"] / local["steps_per_s"], 3),
+                    "closed_loop": {
+                        "in_process": local, "websocket": remote,
+                        "added_p50_ms": round(remote["p50_ms"] - local["p50_ms"], 3),
+                        "throughput_ratio": round(remote["steps_per_s"] / local["steps_per_s"],
+                                                  3),
+                    },
+                    f"paced_{args.rate}_steps_per_s": {
+                        "in_process": paced_local, "websocket": paced_remote,
+                        "added_p50_ms": round(paced_remote["p50_ms"] - paced_local["p50_ms"], 3),
+                    },
                 }
                 print(env_id, sessions, json.dumps(rows[f"{sessions}_sessions"]), flush=True)
         report["envs"][env_id] = rows
