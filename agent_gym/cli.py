@@ -279,7 +279,7 @@ def _register_serve(commands: Any) -> None:
     server.add_argument("--env-arg", type=_env_arg, action="append", default=[],
                         metavar="KEY=VALUE", help="env constructor argument (JSON value)")
     server.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     server.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
                         help="sessions held at once; more are refused (CAPACITY_REACHED)")
     server.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
