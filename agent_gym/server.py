@@ -157,6 +157,8 @@ class Session:
     episode_id: str | None = None
     step_count: int = 0
     closed: bool = False
+    # A WebSocket session's way to tell its client, when the reaper closes it, and hang up.
+    on_reaped: Callable[[], Awaitable[None]] | None = None
 
 
 class SessionPool:
@@ -247,6 +249,9 @@ class SessionPool:
                     while len(self.reaped) > MAX_REAPED_IDS:
                         self.reaped.popitem(last=False)
                     await self.close(session)
+                    if session.on_reaped is not None:
+                        with contextlib.suppress(Exception):  # the client may be gone too
+                            await session.on_reaped()
 
     async def shutdown(self) -> None:
         for session in list(self.sessions.values()):
@@ -560,6 +565,13 @@ def create_app(config: ServerConfig) -> FastAPI:
                 await send_error(websocket, exc)
                 await websocket.close()
             return
+        async def hang_up() -> None:
+            await send_error(websocket, ProtocolError(
+                SESSION_ERROR, f"session {session.session_id!r} was closed after being idle "
+                f"longer than {config.idle_timeout_s} s"))
+            await websocket.close(code=1000)
+
+        session.on_reaped = hang_up
         try:
             await serve_frames(websocket, pool, session, config.max_request_bytes)
         except WebSocketDisconnect:

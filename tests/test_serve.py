@@ -24,6 +24,7 @@ from openenv.core.env_server.types import (  # noqa: E402
     StepResponse,
 )
 from websockets.asyncio.client import connect  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 from agent_gym.cli import build_parser  # noqa: E402
 from tests.serve_process import frame, running_server  # noqa: E402
@@ -252,12 +253,13 @@ def test_capacity_idle_reaping_and_token() -> None:
                     refused = json.loads(await three.recv())
                     assert refused["data"]["code"] == "CAPACITY_REACHED"
                     assert refused["data"]["max_sessions"] == 2
-                # Left idle past the timeout, a session is closed with a clear error.
+                # Left idle past the timeout, a session is closed and its client told why.
                 await asyncio.sleep(1.5)
-                await one.send(frame("step", {"text": "late"}))
                 reaped = json.loads(await one.recv())
                 assert reaped["data"]["code"] == "SESSION_ERROR"
                 assert "idle" in reaped["data"]["message"]
+                with pytest.raises(ConnectionClosed):
+                    await one.recv()
 
         asyncio.run(scenario())
         with httpx.Client(base_url=url) as http:
