@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import gymnasium
 
@@ -68,6 +68,14 @@ SUITES: dict[str, list[SuiteEntry]] = {
     ],
 }
 SUITE_POLICIES = ["oracle", "local"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (with where to read more), not the whole
+    usage block: the line is what a user needs to fix the command."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 class UserError(Exception):
@@ -293,7 +301,7 @@ def _register_serve(commands: Any) -> None:
 
 def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     """The whole command line, with the plugin commands in ``plugins`` registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="agent-gym",
         description="Text environments for LLM agents: list and replay them, benchmark policies on "
         "them, build their search indexes and games, and train on them.",

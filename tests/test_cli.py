@@ -187,3 +187,27 @@ def test_eval_ends_an_episode_at_a_cut_reply_as_training_does(tmp_path: Path) ->
         assert record["end_reason"] == "max_tokens" and record["reward"] == 0
         assert record["transcript"][-1]["role"] == "assistant"  # the env never answered
         assert record["final_state"]["actions"] == []
+
+
+def test_train_errors_are_one_line_too(tmp_path: Path) -> None:
+    """A usage error, and a run directory holding another run, from `agent-gym train`."""
+    from tests import grpo_toy
+
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "agent_gym.cli", "train", "grpo"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    bad = subprocess.run([*command, "--loss", "dpo", "--out", str(out)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    assert "invalid choice: 'dpo'" in bad.stderr and not out.exists()
+    first = [*command, "--env-id", f"tests.grpo_toy:{grpo_toy.ENV_ID}", "--model", "tiny",
+             "--lora-rank", "0", "--steps", "1", "--batch-size", "2", "--group-size", "2",
+             "--max-tokens", "4", "--max-trajectory-tokens", "64", "--no-progress",
+             "--out", str(out)]
+    assert subprocess.run(first, capture_output=True, timeout=300, env=env).returncode == 0
+    clash = subprocess.run([*command, "--model", "smollm2", "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert clash.returncode == 2 and "Traceback" not in clash.stderr
+    assert clash.stderr.strip().splitlines() == [
+        f"agent-gym train grpo: error: {out} holds a run with model='tiny'; continue it with "
+        "the same values or give another --out"]

@@ -83,7 +83,7 @@ def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
     stopped_at = json.loads(checkpoint.read_text())["step"]
     assert stopped_at < 24
 
-    resumed = subprocess.run([*command, "--resume"], env=env, cwd=ROOT, timeout=300,
+    resumed = subprocess.run(command, env=env, cwd=ROOT, timeout=300,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = [json.loads(line) for line in (killed_out / "metrics.jsonl").read_text().splitlines()]

@@ -85,7 +85,7 @@ def test_resume_from_a_remote_checkpoint(server: FakePytrioServer, tmp_path: Pat
     train(args_for("pytrio", MODEL_ID, out, steps=2), service=FakeServiceClient(server))
     saved = json.loads((out / "checkpoint.json").read_text())
     assert saved["step"] == 2 and saved["path"].startswith("pytrio://")
-    history = train(args_for("pytrio", MODEL_ID, out, steps=4, resume=True),
+    history = train(args_for("pytrio", MODEL_ID, out, steps=4),
                     service=FakeServiceClient(server))
     assert [row["step"] for row in history] == [2, 3]
     rows = (out / "metrics.jsonl").read_text().splitlines()

@@ -4,6 +4,7 @@ seeds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from trainers.run import (
     Checkpoint,
     EnvPool,
     RunArgs,
+    RunConfigError,
     derive_seed,
     open_run,
     parse_args,
@@ -122,11 +124,11 @@ def test_finish_writes_the_line_then_the_checkpoint_and_resume_trims(
     # a kill after a line but before its checkpoint: the resumed run redoes that step
     checkpoint = json.loads((tmp_path / CHECKPOINT_FILE).read_text())
     (tmp_path / CHECKPOINT_FILE).write_text(json.dumps(checkpoint | {"step": 2}))
-    with open_run(toy(model, tmp_path, resume=True), 3) as run:
+    with open_run(toy(model, tmp_path), 3) as run:
         assert run.start == 2 and run.resumed is not None and run.resumed.store is not None
         assert [row["step"] for row in read_metrics(tmp_path / METRICS_FILE)] == [0, 1]
-    with pytest.raises(ValueError, match="used model"):
-        open_run(toy("tiny", tmp_path, resume=True), 3)
+    with pytest.raises(ValueError, match="holds a run with model"):
+        open_run(toy("tiny", tmp_path), 3)
 
 
 def test_a_lora_only_service_refuses_full_fine_tuning(model: str, tmp_path: Path) -> None:
@@ -148,3 +150,69 @@ def test_a_lora_only_service_refuses_full_fine_tuning(model: str, tmp_path: Path
         open_run(toy(model, tmp_path), 1, service)  # type: ignore[arg-type]
     with open_run(toy(model, tmp_path, lora_rank=4), 1, service):  # type: ignore[arg-type]
         assert service.ranks == [4]
+
+
+def test_every_option_has_help_with_its_default_and_the_real_command_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from trainers import grpo, tempo
+
+    for module, name in ((grpo, "grpo"), (tempo, "tempo")):
+        with pytest.raises(SystemExit):
+            module.parse_args(["--help"])
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: agent-gym train {name}")
+        options = [line.split()[0] for line in text.splitlines()
+                   if line.startswith("  --") and line.split()[0] != "--help"]
+        assert len(options) > 20
+        flat = " ".join(text.split())
+        for spec in dataclasses.fields(module.Args):
+            flag = "--" + spec.name.replace("_", "-")
+            assert flag in flat and spec.metadata.get("help"), flag
+        assert "(default: importance_sampling)" in flat and "{local,pytrio}" in flat
+
+
+def test_a_bare_ray_means_a_local_ray_as_in_eval() -> None:
+    assert parse_args(ToyArgs, ["--ray"], "toy", "").ray == "local"
+    assert parse_args(ToyArgs, ["--ray", "auto"], "toy", "").ray == "auto"
+
+
+def test_rerunning_into_the_same_out_continues_with_every_saved_argument(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bare form `agent-gym train grpo --out RUN` continues a run made with other
+    settings; explicit changes are reported; changing what the run is, is refused."""
+    from trainers import grpo
+
+    out = str(tmp_path / "run")
+    first = ["--env-id", grpo_toy.ENV_ID, "--model", model, "--lora-rank", "0", "--steps", "2",
+             "--batch-size", "2", "--group-size", "2", "--max-tokens", "4",
+             "--max-trajectory-tokens", "64", "--no-progress", "--out", out]
+    grpo.train(grpo.parse_args(first))
+    capsys.readouterr()
+    resumed = grpo.parse_args(["--out", out, "--steps", "3"])
+    assert (resumed.model, resumed.batch_size, resumed.group_size, resumed.steps) == (
+        model, 2, 2, 3)
+    assert capsys.readouterr().err.strip() == f"resuming {out} at step 2 (changed: steps 2 -> 3)"
+    assert [row["step"] for row in grpo.train(resumed)] == [2]
+    assert "resuming" in capsys.readouterr().err
+    with pytest.raises(RunConfigError, match="holds a run with model="):
+        grpo.parse_args(["--out", out, "--model", "tiny"])
+
+
+def test_steps_that_train_nothing_are_shown_and_explained(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainers.run import IDLE_WARNING, final_line
+
+    row = {"datums": 0, "cut_rate": 0.83, "reward_std": 0.0, "reward_mean": 0.0}
+    with open_run(toy(model, tmp_path, save_every=100), 5) as run:
+        for step in run.progress():
+            run.finish(step, {"step": step, **row})
+    err = capsys.readouterr().err
+    assert err.count("trained nothing") == 1  # once per streak, after IDLE_WARNING steps
+    assert f"{IDLE_WARNING} steps in a row trained nothing" in err
+    assert "83% of replies were cut at --max-tokens 512" in err
+    assert "every episode earned the same reward" in err
+    line = json.loads(final_line([{"step": 4, **row}], tmp_path))
+    assert line["steps_that_trained_nothing"] == 1 and "warning" in line

@@ -209,7 +209,7 @@ def test_resume_continues_weights_store_and_metrics(model: str, tmp_path: Path) 
     straight = train(toy_args(model, tmp_path / "straight", td_updates=3))
     first = train(toy_args(model, tmp_path / "killed", td_updates=1))  # stops after update 3
     assert len(first) == 3
-    resumed = train(toy_args(model, tmp_path / "killed", td_updates=3, resume=True))
+    resumed = train(toy_args(model, tmp_path / "killed", td_updates=3))
     assert [row["step"] for row in resumed] == [3, 4]
     for mine, reference in zip(resumed, straight[3:], strict=True):
         for key in ("td/restored_states", "td/store_size", "reward_mean", "critic/abs_error_mean",
@@ -218,8 +218,8 @@ def test_resume_continues_weights_store_and_metrics(model: str, tmp_path: Path) 
         assert mine["loss"] == pytest.approx(reference["loss"], abs=1e-5)
     lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(5))
-    with pytest.raises(ValueError, match="used env_id"):
-        train(toy_args(model, tmp_path / "killed", env_id="agent_gym/GSM8K-v0", resume=True))
+    with pytest.raises(ValueError, match="holds a run with env_id"):
+        train(toy_args(model, tmp_path / "killed", env_id="agent_gym/GSM8K-v0"))
 
 
 def test_cli_arguments() -> None:

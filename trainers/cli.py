@@ -8,6 +8,8 @@ prints the trainer's own help.
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,16 +40,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run_grpo(args: argparse.Namespace) -> int:
     from trainers.grpo import main
 
-    return main(args.argv)
+    return _reporting(args, "grpo", main)
 
 
 def _run_tempo(args: argparse.Namespace) -> int:
     from trainers.tempo import main
 
-    return main(args.argv)
+    return _reporting(args, "tempo", main)
 
 
 def _run_plot(args: argparse.Namespace) -> int:
     from trainers.plot import main
 
     return main(args.argv)
+
+
+def _reporting(args: argparse.Namespace, name: str, main: Callable[[list[str]], int]) -> int:
+    """A trainer's run, its user errors (a run directory of another run, a model that is
+    not there) printed as one line with exit status 2 unless ``agent-gym --debug``."""
+    from trainers.models import ModelSpecError
+    from trainers.run import RunConfigError
+    from trainers.store import StoreError
+
+    try:
+        return main(args.argv)
+    except (RunConfigError, ModelSpecError, StoreError) as err:
+        if getattr(args, "debug", False):
+            raise
+        print(f"agent-gym train {name}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2

@@ -9,34 +9,42 @@ group's mean reward (optionally over its std); skip and count groups whose rewar
 equal (no learning signal); one ``forward_backward`` on every datum of the step and one
 ``optim_step``. Episodes play the env's own turn budget unless ``--max-turns`` says
 otherwise. Everything that is not GRPO (arguments every trainer takes, the training client,
-the env pool reused by every step, the update, metrics lines, checkpoints and ``--resume``)
-is in ``trainers.run``.
+the env pool reused by every step, the update, metrics lines, checkpoints and continuing a
+stopped run) is in ``trainers.run``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from pytrio import Datum
 
 from trainers.episode import build_datum
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
-from trainers.run import Metrics, RunArgs, ServiceClient, open_run
+from trainers.run import (
+    OUT_HELP,
+    Metrics,
+    RunArgs,
+    ServiceClient,
+    final_line,
+    open_run,
+    option,
+)
 from trainers.run import parse_args as parse_run_args
 
 
 @dataclass
 class Args(RunArgs):
-    out: str = "runs/grpo"
-    steps: int = 20
-    group_size: int = 8  # branches per task
-    normalize_std: bool = False
+    out: str = option("runs/grpo", OUT_HELP)
+    steps: int = option(20, "training steps of the whole run")
+    group_size: int = option(8, "branches (episodes) per task; advantages are centred in it")
+    normalize_std: bool = option(False, "divide advantages by the group's reward std")
 
     def problems(self) -> list[str]:
         return [*super().problems(),
@@ -45,7 +53,7 @@ class Args(RunArgs):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
-    return parse_run_args(Args, argv, "grpo", __doc__.split("\n\n")[0])
+    return parse_run_args(Args, argv, "agent-gym train grpo", __doc__.split("\n\n")[0])
 
 
 def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
@@ -56,7 +64,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             group_size=args.group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,
             max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
         )
-        for step in (bar := run.progress()):
+        for step in run.progress():
             t0 = time.perf_counter()
             # ---- a fresh sampler on the current weights
             sampler = run.training.save_weights_and_get_sampling_client()
@@ -95,19 +103,17 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                    "degenerate_rate": degenerate / len(groups), **trained,
                    "time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
                    "time_step": time.perf_counter() - t0}
-            run.finish(step, row)
+            run.finish(step, row, shown={"reward": round(row["reward_mean"], 3),
+                                         "degenerate": degenerate})
             history.append(row)
-            bar.set_postfix(reward=round(row["reward_mean"], 3), degenerate=degenerate)
     return history
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     history = train(args)
-    if history:
-        last = history[-1]
-        print(json.dumps({"step": last["step"], "reward_mean": last["reward_mean"],
-                          "out": args.out}))
+    print(final_line(history, Path(args.out),
+                     reward_mean=history[-1]["reward_mean"] if history else None))
     return 0
 
 

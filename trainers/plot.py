@@ -9,13 +9,13 @@ baseline dashed in its own panel.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from agent_gym.cli import OneLineParser
 from trainers.run import METRICS_FILE, Metrics, read_metrics
 
 PLOT_FILE = "metrics.png"
@@ -80,7 +80,7 @@ def plot(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agent-gym train plot", description=plot.__doc__)
+    parser = OneLineParser(prog="agent-gym train plot", description=plot.__doc__)
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
     options = parser.parse_args(argv)

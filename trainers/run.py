@@ -10,8 +10,9 @@ still reads top to bottom.
 Files of a run (``--out``): ``metrics.jsonl`` (one line per step, fsynced before the
 checkpoint that counts the step as done), ``checkpoint.json`` (the latest checkpoint's
 backend path, its step, the arguments and, for TEMPO, its store file), written atomically
-last, so a run killed at any point resumes (``--resume``) from a whole checkpoint and
-redoes at most the steps after it, with the metrics lines of those steps dropped.
+last, so a run killed at any point continues, when its command runs again into the same
+``--out``, from a whole checkpoint and redoes at most the steps after it, with the metrics
+lines of those steps dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ from pytrio.types import (
 )
 from tqdm import tqdm
 
+from agent_gym.cli import OneLineParser
 from agent_gym.core import describe_env
 from agent_gym.render import ChatRenderer
 from trainers.backends import BACKENDS, make_service
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
 LOSSES = ("importance_sampling", "ppo")
 CHECKPOINT_FILE = "checkpoint.json"
 METRICS_FILE = "metrics.jsonl"
+IDLE_WARNING = 3  # steps in a row that trained nothing before the run warns
 
 EnvFactory = Callable[[], gymnasium.Env]
 # One metrics line: numbers, None (not measured this step), the phase, counts by end reason.
@@ -190,37 +194,52 @@ class _Borrowed(gymnasium.Wrapper):
 
 
 # --------------------------------------------------------------------- arguments
+T = TypeVar("T")
+OUT_HELP = "run directory; rerunning the command into it continues the run"
+
+
+def option(default: T, help: str, choices: Sequence[str] = ()) -> T:
+    """A field of a trainer's ``Args``: its default and the ``--help`` line it gets
+    (the parser adds the default; ``choices`` are checked and listed)."""
+    return field(default=default, metadata={"help": help, "choices": tuple(choices)})
+
+
 @dataclass
 class RunArgs:
     """The arguments every trainer takes; a trainer's ``Args`` adds its own after them
     (and may change a default by declaring the field again)."""
 
-    env_id: str = "agent_gym/GSM8K-v0"
-    env_kwargs: dict[str, Any] = field(default_factory=dict)  # JSON on the command line
-    backend: str = "local"  # local | pytrio
-    model: str = "smollm2"  # local: smollm2 | tiny | a HF directory; pytrio: a model id
-    lora_rank: int = 32  # 0 = full fine-tuning (local backend only)
-    api_key: str | None = None  # pytrio only
-    ray: str | None = None  # "local" or a cluster address: step envs in Ray actors
+    env_id: str = option("agent_gym/GSM8K-v0", "the env to train on (see `agent-gym envs`)")
+    env_kwargs: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "the env's constructor arguments as a JSON object, e.g. '{\"max_turns\": 3}'"})
+    backend: str = option("local", "where the model trains", BACKENDS)
+    model: str = option(
+        "smollm2", "local: smollm2 (the embedded SmolLM2-135M-Instruct), tiny (a random "
+        "two-layer model for smoke runs) or a Hugging Face directory; pytrio: a model id")
+    lora_rank: int = option(32, "LoRA rank; 0 trains every weight (local backend only)")
+    api_key: str | None = option(None, "PyTRIO API key (default: $PYTRIO_API_KEY)")
+    ray: str | None = option(
+        None, "step the envs in Ray actors: a bare --ray starts a local Ray, ADDRESS joins a "
+        "cluster (e.g. auto)")
     # -- the local backend's device and thread options go here (they come with its rewrite)
-    batch_size: int = 8  # groups per step
-    learning_rate: float = 4e-5
-    grad_clip_norm: float = 1.0
-    loss: str = "importance_sampling"  # importance_sampling | ppo
-    ppo_clip: float = 0.2
-    max_turns: int | None = None  # replies per episode; default: the env's own budget
-    max_tokens: int = 512  # per reply
-    max_trajectory_tokens: int = 4096
-    temperature: float = 1.0
-    concurrency: int = 8  # groups rolled out at once
-    seed: int = 0
-    save_every: int = 5
-    out: str = "runs/run"
-    resume: bool = False
-    progress: bool = True
+    batch_size: int = option(8, "groups (tasks) per step")
+    learning_rate: float = option(4e-5, "Adam learning rate")
+    grad_clip_norm: float = option(1.0, "gradient norm clip")
+    loss: str = option("importance_sampling", "policy-gradient loss", LOSSES)
+    ppo_clip: float = option(0.2, "with --loss ppo: clip ratios to 1 +- this")
+    max_turns: int | None = option(None, "replies per episode (default: the env's own budget)")
+    max_tokens: int = option(512, "tokens per reply; a reply cut there ends its episode")
+    max_trajectory_tokens: int = option(4096, "tokens per episode, prompt included")
+    temperature: float = option(1.0, "sampling temperature (must be 1: see the docs)")
+    concurrency: int = option(8, "groups rolled out at once")
+    seed: int = option(0, "seed of tasks and sampling: the same seed replays the same run")
+    save_every: int = option(5, "checkpoint every N steps (and at the end)")
+    out: str = option("runs/run", OUT_HELP)
+    progress: bool = option(True, "show a progress bar")
 
-    # Arguments a resumed run must share with the run it continues.
-    RESUME_SAME: ClassVar[tuple[str, ...]] = ("env_id", "model", "lora_rank", "backend")
+    # What a run is: a continued run may change anything else (it is reported), not these.
+    IDENTITY: ClassVar[tuple[str, ...]] = ("env_id", "env_kwargs", "model", "lora_rank",
+                                            "backend")
 
     def problems(self) -> list[str]:
         """What is wrong with these arguments (empty: nothing); trainers extend the list."""
@@ -242,30 +261,80 @@ class RunArgs:
 A = TypeVar("A", bound=RunArgs)
 
 
+class RunConfigError(ValueError):
+    """The arguments cannot run: a user error, reported in one line by ``agent-gym train``."""
+
+
 def options_parser(
-    args_type: type[RunArgs], prog: str, description: str
+    args_type: type[RunArgs], prog: str, description: str, *, explicit_only: bool = False
 ) -> argparse.ArgumentParser:
     """``--field-name`` for every field: booleans as ``--x/--no-x``, ``env_kwargs`` as JSON,
-    numbers typed by their annotation (``int | None`` defaults to None), the rest strings."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    numbers typed by their annotation (``int | None`` defaults to None), the rest strings.
+
+    With ``explicit_only`` every default is left out of the namespace, so parsing tells
+    which options the user gave (a continued run keeps the others from its checkpoint).
+    """
+    parser = OneLineParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for spec in dataclasses.fields(args_type):
         flag = "--" + spec.name.replace("_", "-")
         default: object = spec.default if spec.default is not dataclasses.MISSING else {}
+        if explicit_only:
+            default = argparse.SUPPRESS
         kind = str(spec.type).removesuffix(" | None")
+        help_text = spec.metadata.get("help", "")
+        choices = spec.metadata.get("choices") or None
         if kind == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
         elif spec.name == "env_kwargs":
-            parser.add_argument(flag, type=json.loads, default=default, help="JSON object")
+            parser.add_argument(flag, type=_json_object, default=default, metavar="JSON",
+                                help=help_text)
+        elif spec.name == "ray":
+            parser.add_argument(flag, nargs="?", const="local", default=default,
+                                metavar="ADDRESS", help=help_text)
         else:
             parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
-                                default=default)
+                                default=default, choices=choices, help=help_text)
     return parser
 
 
+def _json_object(text: str) -> dict[str, object]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def parse_args(args_type: type[A], argv: Sequence[str] | None, prog: str, description: str) -> A:
-    """A trainer's arguments from the command line; exits with usage on the first problem."""
+    """A trainer's arguments from the command line; exits with usage on the first problem.
+
+    When ``--out`` already holds a checkpoint, the run continues: every option the user did
+    not give comes from the checkpoint, the ones given and changed are reported, and a
+    change of what the run is (``IDENTITY``) is refused.
+    """
     parser = options_parser(args_type, prog, description)
     args = args_type(**vars(parser.parse_args(argv)))
+    given = vars(options_parser(args_type, prog, description, explicit_only=True)
+                 .parse_args(argv))
+    checkpoint = Path(args.out) / CHECKPOINT_FILE
+    if checkpoint.is_file():
+        saved = Checkpoint.read(checkpoint)
+        names = {spec.name for spec in dataclasses.fields(args_type)}
+        kept = {k: v for k, v in saved.args.items() if k in names and k not in given}
+        args = dataclasses.replace(args, **kept)
+        clashes = [k for k in args.IDENTITY if k in given and given[k] != saved.args.get(k)]
+        if clashes:
+            raise RunConfigError(
+                f"{args.out} holds a run with "
+                + ", ".join(f"{k}={saved.args.get(k)!r}" for k in clashes)
+                + "; continue it with the same values or give another --out"
+            )
+        changed = [f"{k} {saved.args[k]!r} -> {given[k]!r}" for k in sorted(given)
+                   if k in saved.args and saved.args[k] != given[k]]
+        print(f"resuming {args.out} at step {saved.step}"
+              + (f" (changed: {', '.join(changed)})" if changed else ""), file=sys.stderr)
     for problem in args.problems():
         parser.error(problem)
     return args
@@ -323,14 +392,16 @@ def _keep_metrics_before(path: Path, step: int) -> None:
 def _training_client(
     service: ServiceClient, args: RunArgs, checkpoint: Path
 ) -> tuple[TrainingClient, Checkpoint | None]:
-    """A fresh training client, or (``--resume`` and a checkpoint exists) the one the last
-    checkpoint saved, with its optimizer, and that checkpoint."""
-    if args.resume and checkpoint.is_file():
+    """The training client the last checkpoint saved, with its optimizer, and that
+    checkpoint, when there is one (a run continues where it stopped); else a fresh one."""
+    if checkpoint.is_file():
         saved = Checkpoint.read(checkpoint)
-        for key in args.RESUME_SAME:
-            if saved.args[key] != getattr(args, key):
-                raise ValueError(
-                    f"--resume: the run in {checkpoint.parent} used {key}={saved.args[key]!r}"
+        for key in args.IDENTITY:
+            if saved.args.get(key) != getattr(args, key):
+                raise RunConfigError(
+                    f"{checkpoint.parent} holds a run with {key}={saved.args.get(key)!r}, not "
+                    f"{getattr(args, key)!r}: continue it with the same {key} or give another "
+                    "--out"
                 )
         return service.create_training_client_from_state_with_optimizer(saved.path), saved
     if args.lora_rank > 0:
@@ -338,7 +409,7 @@ def _training_client(
             args.model, rank=args.lora_rank, seed=args.seed
         ), None
     if not isinstance(service, FullFineTuning):
-        raise ValueError(f"the {args.backend} backend trains LoRA adapters only")
+        raise RunConfigError(f"the {args.backend} backend trains LoRA adapters only")
     return service.create_full_training_client(args.model, seed=args.seed), None
 
 
@@ -359,6 +430,8 @@ class Run:
     max_turns: int  # replies per episode: --max-turns, or the env's own budget
     adam: AdamParams
     loss_config: dict[str, object] | None
+    idle_steps: int = 0  # steps in a row that trained nothing
+    bar: tqdm | None = field(default=None, repr=False)
 
     @property
     def start(self) -> int:
@@ -367,8 +440,11 @@ class Run:
 
     def progress(self) -> tqdm:
         """The steps still to run, as a progress bar (``--no-progress`` hides it)."""
-        return tqdm(range(self.start, self.steps), initial=self.start, total=self.steps,
-                    disable=not self.args.progress)
+        if self.resumed is not None:
+            print(f"resuming {self.out} at step {self.start}", file=sys.stderr)
+        self.bar = tqdm(range(self.start, self.steps), initial=self.start, total=self.steps,
+                        disable=not self.args.progress)
+        return self.bar
 
     def rng(self, step: int) -> np.random.Generator:
         """The step's generator (task choice, state draws): a function of (seed, step)."""
@@ -398,11 +474,21 @@ class Run:
             "grad_norm": metrics.get("grad_norm"),
         }
 
-    def finish(self, step: int, row: Metrics, store: StateStore | None = None) -> None:
+    def finish(
+        self, step: int, row: Metrics, store: StateStore | None = None,
+        shown: Mapping[str, object] | None = None,
+    ) -> None:
         """The step's metrics line, then, every ``save_every`` steps and at the end, a
         checkpoint: weights, optimizer, ``store`` if given, and ``checkpoint.json`` last,
-        so a kill at any point leaves the previous checkpoint whole."""
+        so a kill at any point leaves the previous checkpoint whole. ``shown`` goes on the
+        progress bar, with what the step trained; steps in a row that trained nothing get
+        a warning that names the likely cause."""
         _append_metrics(self.out / METRICS_FILE, row)
+        self.idle_steps = 0 if row.get("datums") else self.idle_steps + 1
+        if self.bar is not None:
+            self.bar.set_postfix({**(shown or {}), "trained": row.get("datums") or "nothing"})
+        if self.idle_steps == IDLE_WARNING:
+            tqdm.write(idle_advice(self.idle_steps, row, self.args), file=sys.stderr)
         done = step + 1
         if done % self.args.save_every and done != self.steps:
             return
@@ -431,8 +517,35 @@ class Run:
         self.close()
 
 
+def idle_advice(steps: int, row: Metrics, args: RunArgs) -> str:
+    """Why the last ``steps`` steps trained nothing, read off the last one, and what to try."""
+    causes = []
+    cut = row.get("cut_rate")
+    if isinstance(cut, float) and cut >= 0.5:
+        causes.append(f"{cut:.0%} of replies were cut at --max-tokens {args.max_tokens} and "
+                      "scored nothing: raise --max-tokens")
+    if row.get("reward_std") == 0:
+        causes.append(f"every episode earned the same reward ({row.get('reward_mean')}): no "
+                      "group had a signal; try an easier env or split, more branches per "
+                      "group, or supervised fine-tuning first")
+    return (f"warning: {steps} steps in a row trained nothing (every group degenerate, 0 "
+            "datums)" + (": " + "; ".join(causes) if causes else "") + ".")
+
+
+def final_line(history: Sequence[Metrics], out: Path, **extra: object) -> str:
+    """The one JSON line a trainer prints at the end: where the run is and how much of this
+    invocation trained (a run of steps that trained nothing says so)."""
+    idle = sum(not row.get("datums") for row in history)
+    line: dict[str, object] = {"step": history[-1]["step"] if history else None,
+                               "out": str(out), "steps": len(history),
+                               "steps_that_trained_nothing": idle, **extra}
+    if history and idle == len(history):
+        line["warning"] = "no step trained anything: see the warnings above"
+    return json.dumps(line)
+
+
 def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) -> Run:
-    """Open (or, with ``--resume`` and a checkpoint, reopen) a run of ``steps`` steps: the
+    """Open (or, when ``args.out`` holds a checkpoint, continue) a run of ``steps`` steps: the
     service (``args.backend`` unless given), the training client, the metrics trimmed to
     the checkpoint, the renderer, a pool of envs (local or Ray actors) reused by every step,
     and the episode's turn budget."""

@@ -34,19 +34,19 @@ prefix's sampled tokens (``--no-prefix-is`` turns it off). Restored branches are
 against the saved chat, observation included (``trainers.rollout``).
 
 Everything that is not TEMPO (arguments every trainer takes, the training client, the env
-pool, the update, metrics lines, checkpoints and ``--resume``) is in ``trainers.run``; the
-store is saved with every checkpoint and restored on resume.
+pool, the update, metrics lines, checkpoints and continuing a stopped run) is in
+``trainers.run``; the store is saved with every checkpoint and restored with it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from pytrio import Datum, ModelInput
@@ -54,7 +54,18 @@ from pytrio import Datum, ModelInput
 from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, ResumePoint, build_datum
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
-from trainers.run import Metrics, Run, RunArgs, Sampler, ServiceClient, open_run
+from trainers.run import (
+    OUT_HELP,
+    Metrics,
+    Run,
+    RunArgs,
+    RunConfigError,
+    Sampler,
+    ServiceClient,
+    final_line,
+    open_run,
+    option,
+)
 from trainers.run import parse_args as parse_run_args
 from trainers.store import StateStore, cut, fresh_quota
 
@@ -67,25 +78,25 @@ TERMINAL_ENDS = frozenset({"terminated", "truncated", "max_tokens"})
 
 @dataclass
 class Args(RunArgs):
-    env_id: str = "agent_gym/ALFWorld-v0"
-    batch_size: int = 4  # groups per update: tasks (warm-up), states or fresh tasks (TD)
-    max_trajectory_tokens: int = 12000
-    out: str = "runs/tempo"
-    warmup_updates: int = 4  # critic-only updates on Monte Carlo returns
-    td_updates: int = 40
-    horizon: int = 10  # H: turns per macro-step
-    branches: int = 4  # N: branches per group
-    critic_samples: int = 4  # K: trained critic samples per start state
-    endpoint_samples: int = 2  # M: critic samples averaged into V(end)
-    store_capacity: int = 256
-    fresh_fraction: float = 0.25  # of each TD update's groups, at least one
-    staleness: int = 8  # drop stored states more than this many policy versions old
-    r_max: float = 1.0  # largest reward still to come; critic values live in [0, r_max]
-    prefix_is: bool = True  # weight restored groups by the prefix importance ratio
-    is_cap: float = 2.0  # truncation of that ratio
-    critic_max_tokens: int = 512  # per critic reply
-
-    RESUME_SAME = ("env_id", "env_kwargs", "model", "lora_rank", "backend")
+    env_id: str = option("agent_gym/ALFWorld-v0", "the env to train on (see `agent-gym envs`)")
+    batch_size: int = option(4, "groups per update: tasks (warm-up), states or fresh tasks (TD)")
+    max_trajectory_tokens: int = option(12000, "tokens per episode, prompt included")
+    out: str = option("runs/tempo", OUT_HELP)
+    warmup_updates: int = option(4, "critic-only updates on Monte Carlo returns, first")
+    td_updates: int = option(40, "macro-step (TD) updates after the warm-up")
+    horizon: int = option(10, "H: turns per macro-step")
+    branches: int = option(4, "N: branches per group")
+    critic_samples: int = option(4, "K: trained critic samples per start state")
+    endpoint_samples: int = option(2, "M: critic samples averaged into V(end)")
+    store_capacity: int = option(256, "saved states kept (oldest evicted first)")
+    fresh_fraction: float = option(0.25, "share of each TD update's groups from fresh tasks "
+                                         "(at least one)")
+    staleness: int = option(8, "drop stored states more than this many policy versions old")
+    r_max: float = option(1.0, "largest reward still to come; critic values live in "
+                               "[0, r_max]")
+    prefix_is: bool = option(True, "weight restored groups by the prefix importance ratio")
+    is_cap: float = option(2.0, "truncation of that ratio")
+    critic_max_tokens: int = option(512, "tokens per critic reply")
 
     def problems(self) -> list[str]:
         checks = [
@@ -110,7 +121,7 @@ class Args(RunArgs):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
-    return parse_run_args(Args, argv, "tempo", __doc__.split("\n\n")[0])
+    return parse_run_args(Args, argv, "agent-gym train tempo", __doc__.split("\n\n")[0])
 
 
 # --------------------------------------------------------------------- the method's formulas
@@ -186,7 +197,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         store = StateStore(args.store_capacity, args.staleness)
         if run.resumed is not None:
             if run.resumed.store is None:
-                raise ValueError(f"--resume: the checkpoint in {run.out} has no state store")
+                raise RunConfigError(f"the checkpoint in {run.out} has no state store: it is "
+                                     "not a TEMPO run")
             saved = (run.out / run.resumed.store).read_text(encoding="utf-8")
             store = StateStore.from_json(saved, args.store_capacity, args.staleness)
         budgets = {"group_size": args.branches, "max_tokens": args.max_tokens,
@@ -199,7 +211,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             full=RolloutConfig(max_turns=run.max_turns, **budgets),
             macro=RolloutConfig(max_turns=args.horizon, **budgets),
         )
-        for step in (bar := run.progress()):
+        for step in run.progress():
             t0 = time.perf_counter()
             # ---- a fresh sampler on the current weights: policy version `step`
             sampler = run.training.save_weights_and_get_sampling_client()
@@ -220,9 +232,9 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                    "td/stored": len(batch.states), "td/evicted": evicted,
                    "td/store_size": len(store), **trained, "time_rollout": t1 - t0,
                    "time_train": t2 - t1, "time_step": time.perf_counter() - t0}
-            run.finish(step, row, store)
+            run.finish(step, row, store, shown={"error": row.get("critic/abs_error_mean"),
+                                                "store": len(store)})
             history.append(row)
-            bar.set_postfix(error=row.get("critic/abs_error_mean"), store=len(store))
     return history
 
 
@@ -418,10 +430,9 @@ def _failure_rate(samples: Sequence[CriticSample]) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     history = train(args)
-    if history:
-        last = history[-1]
-        print(json.dumps({"step": last["step"], "critic_abs_error": last.get(
-            "critic/abs_error_mean"), "store": last["td/store_size"], "out": args.out}))
+    last = history[-1] if history else {}
+    print(final_line(history, Path(args.out), critic_abs_error=last.get("critic/abs_error_mean"),
+                     store=last.get("td/store_size")))
     return 0
 
 
