@@ -33,6 +33,9 @@ _ENTRY_POINTS = {
     "agent_gym/CodeInterpreter-v0": "agent_gym.envs.code:CodeInterpreterEnv",
     "agent_gym/Search-v0": "agent_gym.envs.search:SearchEnv",
     "agent_gym/ALFWorld-v0": "agent_gym.envs.alfworld:ALFWorldEnv",
+    # A client of an `agent-gym serve` server (needs agent-gym[serve]); gymnasium.make(
+    # "agent_gym/Remote-v0", url="http://host:8000").
+    "agent_gym/Remote-v0": "agent_gym.remote:RemoteTextEnv",
 }
 for _env_id, _entry_point in _ENTRY_POINTS.items():
     if _env_id not in gymnasium.registry:

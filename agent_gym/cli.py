@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ class SuiteEntry:
 
 
 COMMAND_ENTRY_POINTS = "agent_gym.commands"
-BUILTIN_COMMANDS = frozenset({"envs", "replay", "eval", "search", "alfworld"})
+BUILTIN_COMMANDS = frozenset({"envs", "replay", "eval", "search", "alfworld", "serve"})
 SCRIPTED_POLICIES = ("oracle", "random")
 # Suites run on bundled data only, so they work offline.
 SUITES: dict[str, list[SuiteEntry]] = {
@@ -243,6 +244,61 @@ def _run_name(policy_spec: str) -> str:
     return policy_spec.replace("/", "_").replace(":", "_")
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from agent_gym.server import ServerConfig, serve
+
+    token = None
+    if args.token_env is not None:
+        token = os.environ.get(args.token_env)
+        if not token:
+            raise SystemExit(f"agent-gym serve: --token-env {args.token_env} is not set")
+    config = ServerConfig(
+        args.env_id, dict(args.env_arg), max_sessions=args.max_sessions,
+        idle_timeout_s=args.idle_timeout or None, max_request_bytes=args.max_request_bytes,
+        token=token,
+    )
+    serve(config, host=args.host, port=args.port)
+    return 0
+
+
+def _register_serve(commands: Any) -> None:
+    try:
+        from agent_gym.server import (
+            DEFAULT_IDLE_TIMEOUT_S,
+            DEFAULT_MAX_REQUEST_BYTES,
+            DEFAULT_MAX_SESSIONS,
+            OPENENV_VERSION_MATCHED,
+        )
+    except ImportError as err:  # the server's stack is an optional extra
+        missing = str(err)
+        stub = commands.add_parser("serve", help="serve an env over OpenEnv's protocol "
+                                   "(needs agent-gym[serve])")
+        stub.set_defaults(run=lambda _: sys.exit(f"agent-gym serve: {missing}"))
+        return
+
+    server = commands.add_parser(
+        "serve", help="serve an env over OpenEnv's protocol (WebSocket /ws and HTTP), with restore",
+        description=f"Host ENV_ID for remote clients over OpenEnv's wire format (matched to "
+        f"{OPENENV_VERSION_MATCHED}): one env per session, reset data may carry a saved "
+        "'state' to restore mid-episode. Every env is built from the server's own --env-arg "
+        "settings; a state saved with other settings is refused.",
+    )
+    server.add_argument("env_id", help="e.g. agent_gym/GSM8K-v0")
+    server.add_argument("--env-arg", type=_env_arg, action="append", default=[],
+                        metavar="KEY=VALUE", help="env constructor argument (JSON value)")
+    server.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    server.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
+                        help="sessions held at once; more are refused (CAPACITY_REACHED)")
+    server.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                        metavar="SECONDS", help="close sessions idle this long (0: never)")
+    server.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="largest HTTP body or WebSocket frame accepted")
+    server.add_argument("--token-env", metavar="VAR",
+                        help="require 'Authorization: Bearer <$VAR>' on every request")
+    server.set_defaults(run=_serve)
+
+
 def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     """The whole command line, with the plugin commands in ``plugins`` registered."""
     parser = OneLineParser(
@@ -305,6 +361,7 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     evaluation.set_defaults(run=_eval)
     search_cli.register(commands)
     alfworld_cli.register(commands)
+    _register_serve(commands)
     for point in plugins:
         point.load()(commands)
     return parser

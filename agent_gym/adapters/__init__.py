@@ -1,0 +1,8 @@
+"""Adapters that put agent_gym envs behind other trainers' in-process env contracts.
+
+* ``agent_gym.adapters.trl``: a class for TRL's ``GRPOTrainer(environment_factory=...)``.
+* ``agent_gym.adapters.tinker``: an ``EnvGroupBuilder`` for tinker-cookbook's RL loops.
+
+Each is imported on its own, so using one never needs the other trainer installed.
+verifiers and GEM need no adapter: see the README section "Use the envs from other trainers".
+"""
