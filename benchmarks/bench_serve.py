@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agent_gym  # noqa: F401  (registers the envs)
 from agent_gym.server import DEFAULT_MAX_SESSIONS
-from tests.serve_process import frame, running_server
+from tests.helpers.serve_process import frame, running_server
 
 SESSIONS = (1, 16, 64)
 ENVS: dict[str, dict[str, Any]] = {

@@ -13,7 +13,7 @@ pytest.importorskip("websockets")
 import agent_gym
 from agent_gym.remote import RemoteEnvError, ws_url
 from agent_gym.state import StateError
-from tests.serve_process import running_server
+from tests.helpers.serve_process import running_server
 
 KWARGS = {"max_turns": 5}
 

@@ -27,7 +27,7 @@ from websockets.asyncio.client import connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 from agent_gym.cli import build_parser  # noqa: E402
-from tests.serve_process import frame, running_server  # noqa: E402
+from tests.helpers.serve_process import frame, running_server  # noqa: E402
 
 ENVS: dict[str, tuple[str, ...]] = {
     "agent_gym/GSM8K-v0": ("--env-arg", "max_turns=2"),

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serve_process import running_server
+from tests.helpers.serve_process import running_server
 
 vf_openenv = pytest.importorskip("verifiers.v1.tasksets.openenv.taskset")
 gem_core = pytest.importorskip("gem.core")
