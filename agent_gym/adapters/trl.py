@@ -24,6 +24,7 @@ starting the task, so every member of a GRPO group starts from the identical poi
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -55,6 +56,9 @@ class AgentGymTRLEnv:
         is the dataset's ``prompt`` column, so nothing is appended to it (``None``)."""
         if self._env is None:
             self._env = gymnasium.make(self.env_id, **self.env_kwargs)
+            # TRL never closes its environments: the env (a sandbox, an engine) is closed
+            # when this object goes, or at exit.
+            self._closer = weakref.finalize(self, self._env.close)
         if state:
             _, info = self._env.reset(options={"state": EnvState.from_json(state)})
         elif task_id is not None:
@@ -81,6 +85,11 @@ class AgentGymTRLEnv:
     def _call_tool(self, argument: str) -> str:
         """The env's tool called with ``argument``, written by the env's own protocol."""
         return self._act(self._env.unwrapped.protocol.format(argument))
+
+    def _close(self) -> None:
+        """Close the env now (private: TRL exposes each public method as a tool)."""
+        if self._env is not None:
+            self._closer()
 
     # Private, like every helper here: TRL exposes each public method as a tool.
     def _finish(self, final_reply: str | None) -> float:

@@ -143,6 +143,7 @@ def test_the_oracle_wins_through_the_adapter_methods(env_id: str, kwargs: dict) 
         [{"role": "tool", "content": "..."}]
     assert env_reward([completion], [env]) == [pytest.approx(1.0)]
     assert env._done
+    env._close()
 
 
 def _specs(functions: list[dict]) -> list:
