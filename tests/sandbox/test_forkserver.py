@@ -21,37 +21,16 @@ import pytest
 
 from agent_gym.sandbox import Limits, SandboxError, StatelessSandbox, open_sandbox, runner
 from agent_gym.sandbox.forkserver import ForkServer
+from tests.helpers.procs import live_pids_of, marked, wait_until
 
 LIMITS = Limits(timeout=10.0, cpu_seconds=5, memory_bytes=256 << 20, output_bytes=8192)
 
 
-def _uid_nobody_pids() -> set[int]:
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            if "\nUid:\t65534\t" in status and "\nState:\tZ" not in status:
-                pids.add(int(entry.name))
-    return pids
-
-
-def _wait_until(predicate: object, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture(scope="module", autouse=True)
 def nothing_left_when_done() -> Iterator[None]:
-    before = _uid_nobody_pids()
+    before = live_pids_of(65534)
     yield
-    assert _wait_until(lambda: not _uid_nobody_pids() - before), _uid_nobody_pids() - before
+    assert wait_until(lambda: not live_pids_of(65534) - before), live_pids_of(65534) - before
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +127,7 @@ def test_a_call_leaves_nothing_for_the_next(box: StatelessSandbox) -> None:
     assert "done" in traces and "shm -1" not in traces, traces
     for _ in range(3):  # whichever spare serves the next calls
         assert _ok(box, FIND_TRACES) == "[]\n"
-    assert _wait_until(lambda: not _marked("73.1234")), "background processes outlived the call"
+    assert wait_until(lambda: not marked("73.1234")), "background processes outlived the call"
 
 
 def test_the_check_for_traces_can_fail(box: StatelessSandbox) -> None:
@@ -158,18 +137,6 @@ def test_the_check_for_traces_can_fail(box: StatelessSandbox) -> None:
     assert found.ok, found.observation()
     for trace in ("/tmp/left", "LEFT", "monkeypatched", "SIGTERM", "blocked", "alarm", "umask"):
         assert trace in found.stdout, (trace, found.stdout)
-
-
-def _marked(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker.encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def test_side_by_side_calls_cannot_reach_each_other(box: StatelessSandbox) -> None:
@@ -280,7 +247,7 @@ def test_a_server_that_dies_is_replaced(box: StatelessSandbox) -> None:
     restarts = box.forkserver.restarts
     dead = _server_pid(box)
     os.kill(dead, signal.SIGKILL)
-    assert _wait_until(lambda: "\nState:\tZ" in _status(dead) or not _status(dead))
+    assert wait_until(lambda: "\nState:\tZ" in _status(dead) or not _status(dead))
     assert _ok(box, "print('after')") == "after\n"
     assert box.forkserver.restarts == restarts + 1
     # A server that dies under a running call: the call runs again on a fresh server.
@@ -300,7 +267,7 @@ def test_a_stopped_or_traced_server_is_replaced(box: StatelessSandbox) -> None:
     restarts = box.forkserver.restarts
     stopped = _server_pid(box)
     os.kill(stopped, signal.SIGSTOP)
-    assert _wait_until(lambda: "(stopped)" in _status(stopped))
+    assert wait_until(lambda: "(stopped)" in _status(stopped))
     assert _ok(box, "print(1)") == "1\n"
     assert box.forkserver.restarts == restarts + 1 and _server_pid(box) != stopped
     libc = ctypes.CDLL(None, use_errno=True)

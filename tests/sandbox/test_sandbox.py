@@ -22,6 +22,7 @@ from agent_gym.sandbox import (
     launch,
     open_sandbox,
 )
+from tests.helpers.procs import statuses, uid
 
 LIMITS = Limits(timeout=3.0, cpu_seconds=2, memory_bytes=256 << 20, output_bytes=2048)
 
@@ -195,21 +196,9 @@ def test_rlimits_mode_is_an_explicit_loud_opt_in() -> None:
 
 def _orphaned_sandbox_zombies() -> set[int]:
     """Dead sandbox processes handed to the host's init: what a careless kill leaves."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except OSError:
-                continue
-            fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-            if (
-                fields.get("State", "").startswith("Z")
-                and fields.get("PPid") == "1"
-                and fields.get("Uid", "").split("\t")[0] == str(launch.NOBODY)
-            ):
-                found.add(int(entry.name))
-    return found
+    return {pid for pid, fields in statuses()
+            if fields.get("State", "").startswith("Z") and fields.get("PPid") == "1"
+            and uid(fields) == launch.NOBODY}
 
 
 def test_teardown_kills_the_namespace_init_first_even_mid_start() -> None:

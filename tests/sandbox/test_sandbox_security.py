@@ -24,6 +24,7 @@ import pytest
 
 from agent_gym.sandbox import Limits, StatelessSandbox, open_sandbox
 from agent_gym.sandbox.config import FORKSERVER_SPARES, SANDBOX_ENV
+from tests.helpers.procs import live_pids_of, marked, wait_until
 
 LIMITS = Limits(
     timeout=3.0,
@@ -69,46 +70,11 @@ def _forkserver_processes() -> set[int]:
 
 def _sandbox_pids() -> set[int]:
     """Live (non-zombie) processes of uid 65534, but the fork-servers' own."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-        if fields.get("State", "").startswith("Z"):
-            continue
-        if fields.get("Uid", "").split("\t")[0] == "65534":
-            pids.add(int(entry.name))
-    return pids - _forkserver_processes()
-
-
-def _marked(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker.encode() in cmdline:
-                found.append(int(entry.name))
-    return found
-
-
-def _wait_until(predicate: Callable[[], object], seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
+    return live_pids_of(65534) - _forkserver_processes()
 
 
 def _wait_gone(predicate: Callable[[], object], seconds: float = 5.0) -> bool:
-    return _wait_until(lambda: not predicate(), seconds)
+    return wait_until(lambda: not predicate(), seconds)
 
 
 @pytest.fixture(scope="module", params=["forkserver", "per-call"])
@@ -315,12 +281,12 @@ def test_setsid_and_double_fork_escapees_die_with_the_sandbox(sandbox: Stateless
     """)
     result = sandbox.run(code)
     assert result.ok, result.observation()
-    assert _wait_gone(lambda: _marked(marker)), _marked(marker)
+    assert _wait_gone(lambda: marked(marker)), marked(marker)
     with open_sandbox("stateful", limits=LIMITS) as notebook:
         kept = notebook.run(code)
         assert kept.ok, kept.observation()
-        assert _wait_until(lambda: len(_marked(marker)) == 2), "they live as long as the notebook"
-    assert _wait_gone(lambda: _marked(marker)), _marked(marker)
+        assert wait_until(lambda: len(marked(marker)) == 2), "they live as long as the notebook"
+    assert _wait_gone(lambda: marked(marker)), marked(marker)
 
 
 def test_killing_the_harness_kills_every_sandbox_process(tmp_path: Path) -> None:
@@ -352,12 +318,12 @@ def test_killing_the_harness_kills_every_sandbox_process(tmp_path: Path) -> None
     try:
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "ready"
-        assert _wait_until(lambda: len(_marked(marker)) == 2), _marked(marker)
+        assert wait_until(lambda: len(marked(marker)) == 2), marked(marker)
         process.send_signal(signal.SIGKILL)
         process.wait()
     finally:
         process.kill()
-    assert _wait_gone(lambda: _marked(marker)), _marked(marker)
+    assert _wait_gone(lambda: marked(marker)), marked(marker)
 
 
 def test_killing_the_harness_mid_spawn_leaves_nothing(tmp_path: Path) -> None:
