@@ -225,8 +225,9 @@ def test_wikipedia_retries_throttling_and_lag_then_gives_up(wiki: FakeMediaWiki)
 def test_wikipedia_is_rate_limited(wiki: FakeMediaWiki) -> None:
     backend = WikipediaBackend(f"{wiki.url}/w/api.php", rate=20.0, burst=1, retry=FAST)
     backend.search(["Orvane", "Zennhaven", "glass", "river", "town"], 1)
-    gaps = [b - a for a, b in zip(wiki.requests, wiki.requests[1:], strict=False)]
-    assert len(gaps) == 4 and min(gaps) >= 0.8 / 20.0
+    # Arrival times at the server jitter under load; their span cannot beat the pacing.
+    assert len(wiki.requests) == 5
+    assert wiki.requests[-1] - wiki.requests[0] >= 0.8 * 4 / 20.0
     backend.close()
 
 
