@@ -21,6 +21,7 @@ def _run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[st
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # builds a venv: minutes on a loaded 2-core machine
 def test_a_fresh_venv_from_the_wheel_runs_every_env(tmp_path: Path) -> None:
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)])
     (wheel,) = tmp_path.glob("agent_gym-*.whl")
