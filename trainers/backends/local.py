@@ -13,6 +13,11 @@ would reject is rejected here with the same message. Calls run eagerly and retur
 Beyond pytrio: ``create_full_training_client`` fine-tunes every weight (useful for tiny
 models), and a ``base_model`` is any spec of ``trainers.models`` (``smollm2``, ``tiny``, a
 local Hugging Face directory). Checkpoint paths are plain directories.
+
+The learner runs the decoder on every position but the LM head and log-softmax only where a
+target trains (``trainers.backends.logprobs``): the same loss and gradient as full logits,
+without the vocabulary-sized tensor at every masked prompt and observation position.
+``device`` and ``threads`` pick where it runs (``trainers.backends.runtime``).
 """
 
 from __future__ import annotations
@@ -45,8 +50,14 @@ from pytrio.types import (
 )
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from trainers.backends.logprobs import split_model, target_logprobs
 from trainers.backends.losses import check_loss, token_losses
-from trainers.backends.sampler import LocalSamplingClient
+from trainers.backends.runtime import apply_threads, autocast, resolve_device
+from trainers.backends.sampler import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_ROWS,
+    LocalSamplingClient,
+)
 from trainers.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -84,13 +95,44 @@ class LocalServiceClient:
             training client gets its own sub-directory. Default: ``<cache>/checkpoints``.
         microbatch_tokens: padded tokens per forward pass inside one ``forward_backward``
             (bounds memory; the gradient does not depend on it).
+        device: ``auto`` (CUDA, then MPS, else CPU) | ``cpu`` | ``cuda[:N]`` | ``mps``.
+        threads: torch intra-op threads for this process; ``None`` = the thread policy's
+            default (``runtime.default_threads``: free cores, or ``$AGENT_GYM_THREADS``).
+        logit_chunk: trained positions per LM-head chunk in the learner (bounds the logits
+            held at once: ``logit_chunk x vocabulary`` floats).
+        sampler_max_rows / kv_cache_bytes: each sampler's batch size and prefix-cache memory
+            (see ``LocalSamplingClient``).
     """
 
     def __init__(
-        self, checkpoint_dir: str | Path | None = None, microbatch_tokens: int = 4096
+        self,
+        checkpoint_dir: str | Path | None = None,
+        microbatch_tokens: int = 4096,
+        *,
+        device: str | torch.device = "auto",
+        threads: int | None = None,
+        logit_chunk: int = 512,
+        sampler_max_rows: int = DEFAULT_MAX_ROWS,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir or cache_dir() / "checkpoints")
         self.microbatch_tokens = microbatch_tokens
+        self.device = resolve_device(device)
+        self.threads = apply_threads(threads)
+        if logit_chunk < 1:
+            raise ValueError(f"logit_chunk must be at least 1, got {logit_chunk}")
+        self.logit_chunk = logit_chunk
+        self.sampler_max_rows = sampler_max_rows
+        self.kv_cache_bytes = kv_cache_bytes
+
+    def make_sampler(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_id: str
+    ) -> LocalSamplingClient:
+        """A sampling client on ``model`` with this service's batching and cache settings."""
+        return LocalSamplingClient(
+            model, tokenizer, model_id, max_rows=self.sampler_max_rows,
+            kv_cache_bytes=self.kv_cache_bytes,
+        )
 
     def get_supported_models(self) -> list[str]:
         return [DEFAULT_MODEL, "tiny"]
@@ -122,7 +164,8 @@ class LocalServiceClient:
     ) -> LocalSamplingClient:
         if model_path is None:
             tokenizer = load_tokenizer(base_model)
-            return LocalSamplingClient(load_model(base_model, tokenizer), tokenizer, base_model)
+            model = load_model(base_model, tokenizer).to(self.device)
+            return self.make_sampler(model, tokenizer, base_model)
         setup = _read_meta(model_path)
         if setup.base_model != base_model:
             raise ValueError(
@@ -152,11 +195,13 @@ class LocalTrainingClient:
         self._service = service
         self._dir = service.checkpoint_dir / f"run-{uuid.uuid4().hex[:12]}"
         self.tokenizer = load_tokenizer(setup.base_model)
+        self.device = service.device
         model = load_model(setup.base_model, self.tokenizer)
         with torch.random.fork_rng(devices=[]):
             if setup.seed is not None:
                 torch.manual_seed(setup.seed)
-            self.model = self._make_trainable(model)
+            self.model = self._make_trainable(model).to(self.device)
+        self._body, self._head = split_model(self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer: torch.optim.AdamW | None = None
         self.vocab_size = min(len(self.tokenizer), model.get_input_embeddings().num_embeddings)
@@ -259,8 +304,10 @@ class LocalTrainingClient:
             for row, length in enumerate(lengths):
                 outputs.append(
                     {
-                        "logprobs": TensorData.from_torch(logprobs[row, :length].detach()),
-                        "elementwise_loss": TensorData.from_torch(terms[row, :length].detach()),
+                        "logprobs": TensorData.from_torch(logprobs[row, :length].detach().cpu()),
+                        "elementwise_loss": TensorData.from_torch(
+                            terms[row, :length].detach().cpu()
+                        ),
                     }
                 )
         return ForwardBackwardOutput(
@@ -298,9 +345,17 @@ class LocalTrainingClient:
                 "logprobs": padded([s.logprobs for s in batch], 0.0, torch.float32),
                 "advantages": padded([s.advantages for s in batch], 0.0, torch.float32),
             }
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-        logprobs = torch.where(counted, picked - torch.logsumexp(logits, dim=-1), 0.0)
+        device = self.device
+        ids, mask, targets, counted = (t.to(device) for t in (ids, mask, targets, counted))
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        with autocast(device):
+            hidden = self._body(input_ids=ids, attention_mask=mask).last_hidden_state
+            # Only positions that train reach the LM head (see trainers.backends.logprobs).
+            where = counted.nonzero(as_tuple=True)
+            picked = target_logprobs(self._head, hidden[where], targets[where],
+                                     self._service.logit_chunk)
+        logprobs = torch.zeros(counted.shape, dtype=torch.float32, device=device)
+        logprobs = logprobs.index_put(where, picked)
         return token_losses(loss_fn, logprobs, inputs, counted, config), logprobs, lengths
 
     # ----------------------------------------------------------------- optimizer
@@ -342,7 +397,7 @@ class LocalTrainingClient:
         snapshot = copy.deepcopy(self.model)
         for parameter in snapshot.parameters():
             parameter.grad = None
-        return LocalSamplingClient(snapshot, self.tokenizer, self.model_id)
+        return self._service.make_sampler(snapshot, self.tokenizer, self.model_id)
 
     def create_sampling_client(self, model_path: str) -> LocalSamplingClient:
         return self._service.create_sampling_client(self.model_id, model_path)
