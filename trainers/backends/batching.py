@@ -166,7 +166,7 @@ class BatchEngine:
                         self._admit(request)
                     if self._rows:
                         self._step()
-            except Exception as error:  # noqa: BLE001 - every waiting caller must hear of it
+            except Exception as error:
                 self._fail_all(error, admitted)
 
     def _take_admissible(self) -> list[SampleRequest]:  # under self._lock
@@ -285,10 +285,10 @@ class BatchEngine:
         request = row.request
         row.tokens.append(token[0])
         row.logprobs.append(token[1])
-        if token[0] in request.stop_ids:
-            row.reason = STOP
-        elif request.stop_strings and _ends_with_stop(self.tokenizer, row.tokens,
-                                                      request.stop_strings):
+        stop_string = bool(request.stop_strings) and _ends_with_stop(
+            self.tokenizer, row.tokens, request.stop_strings
+        )
+        if token[0] in request.stop_ids or stop_string:
             row.reason = STOP
         elif len(row.tokens) >= request.budget:
             row.reason = LENGTH
@@ -324,8 +324,10 @@ class BatchEngine:
             if temperature == 0:
                 chosen = logp.argmax(dim=-1)
             else:
-                uniforms = torch.cat([torch.rand(1, generator=rows[i].generator, dtype=torch.float64)
-                                      for i in members]).to(logits.device)
+                uniforms = torch.cat([
+                    torch.rand(1, generator=rows[i].generator, dtype=torch.float64)
+                    for i in members
+                ]).to(logits.device)
                 cdf = logp.double().exp().cumsum(dim=-1)
                 target = (uniforms * cdf[:, -1])[:, None]
                 chosen = torch.searchsorted(cdf, target, right=True).squeeze(1)
@@ -375,5 +377,5 @@ def _ends_with_stop(
 def _settle(future: Future[Any], job: Callable[[], Any]) -> None:
     try:
         future.set_result(job())
-    except Exception as error:  # noqa: BLE001 - handed to the caller
+    except Exception as error:
         future.set_exception(error)

@@ -91,10 +91,7 @@ def default_threads() -> int:
     """``$AGENT_GYM_THREADS`` if set, else free cores: usable cores minus the 1-minute load."""
     configured = os.environ.get(THREADS_ENV)
     if configured:
-        try:
-            value = int(configured)
-        except ValueError:
-            raise ValueError(f"${THREADS_ENV} must be a positive integer, got {configured!r}")
+        value = int(configured) if configured.strip().isdigit() else 0
         if value < 1:
             raise ValueError(f"${THREADS_ENV} must be a positive integer, got {configured!r}")
         return value
