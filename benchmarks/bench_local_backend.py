@@ -72,6 +72,7 @@ class SerialSampler:
         self.tokenizer = client.tokenizer
         self._stops = client._stops
         self._lock = threading.Lock()
+        self.busy_seconds = 0.0  # time spent inside calls, under the lock
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -85,6 +86,7 @@ class SerialSampler:
     def _sample(self, prompt: list[int], n: int, params: SamplingParams) -> SampleResponse:
         stop_ids, stop_strings = self._stops(params.stop)
         with self._lock, torch.inference_mode():
+            started = time.perf_counter()
             generator = torch.Generator().manual_seed(params.seed)
             out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
             cache = out.cache
@@ -109,6 +111,7 @@ class SerialSampler:
                 step = self.model(input_ids=chosen[:, None], cache=cache, use_cache=True)
                 cache = step.cache
                 logits = step.logits[:, -1, :].float()
+            self.busy_seconds += time.perf_counter() - started
         sequences = [SampleSequence(stop_reason=r or LENGTH, tokens=t, logprobs=lp)
                      for t, lp, r in zip(tokens, logprobs, reasons, strict=True)]
         return SampleResponse(sequences=sequences, prompt_logprobs=[], input_tokens=len(prompt),
@@ -169,6 +172,10 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
                 "tok_s": round(sampled / elapsed, 2),
                 "load_after": load(),
             }
+            busy = (sampler.stats.busy_seconds if isinstance(sampler, LocalSamplingClient)
+                    else sampler.busy_seconds)
+            figures |= {"sampler_busy_seconds": round(busy, 1),
+                        "tok_s_while_sampling": round(sampled / busy, 2)}
             if isinstance(sampler, LocalSamplingClient):
                 stats = sampler.stats
                 figures |= {
@@ -181,6 +188,12 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
             print(f"{name} {label}: {figures}", file=sys.stderr, flush=True)
         row["batched_vs_one_row"] = round(row["batched"]["tok_s"] / one_row, 2)
         row["batched_vs_today"] = round(row["batched"]["tok_s"] / row["today"]["tok_s"], 2)
+        row["while_sampling_batched_vs_today"] = round(
+            row["batched"]["tok_s_while_sampling"] / row["today"]["tok_s_while_sampling"], 2
+        )
+        row["while_sampling_batched_vs_one_row"] = round(
+            row["batched"]["tok_s_while_sampling"] / one_row, 2
+        )
         pool.close()
         results[name] = row
     return results

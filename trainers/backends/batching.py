@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 from pytrio import SamplingParams
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import Cache, DynamicLayer
 
 from trainers.backends.kvcache import LayerKV, PrefixCache
 from trainers.backends.runtime import autocast
@@ -92,6 +94,42 @@ class EngineStats:
     decode_steps: int = 0
     decoded_rows: int = 0  # sum over steps of rows in the batch
     max_batch_rows: int = 0
+    busy_seconds: float = 0.0  # wall time spent prefilling and decoding
+
+
+class _GrowingLayer(DynamicLayer):
+    """A batch's keys/values for one layer, in a buffer with spare columns.
+
+    ``DynamicLayer.update`` concatenates, copying the whole cache at every decode step
+    (O(width) per token); here a step writes its column in place and the buffer doubles when
+    full, so appending is amortised O(1). ``keys``/``values`` are views of the used columns.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.reset_to(keys, values)
+
+    def reset_to(self, keys: torch.Tensor, values: torch.Tensor, spare: int = 64) -> None:
+        rows, heads, width, dim = keys.shape
+        self._keys = keys.new_empty(rows, heads, width + spare, dim)
+        self._values = values.new_empty(rows, heads, width + spare, values.shape[-1])
+        self._keys[:, :, :width] = keys
+        self._values[:, :, :width] = values
+        self.width = width
+        self.keys, self.values = self._keys[:, :, :width], self._values[:, :, :width]
+        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[2]
+        if self.width + new > self._keys.shape[2]:
+            self.reset_to(self.keys, self.values, spare=max(64, self.width))
+        self._keys[:, :, self.width : self.width + new] = key_states
+        self._values[:, :, self.width : self.width + new] = value_states
+        self.width += new
+        self.keys, self.values = self._keys[:, :, : self.width], self._values[:, :, : self.width]
+        return self.keys, self.values
 
 
 class BatchEngine:
@@ -125,7 +163,7 @@ class BatchEngine:
         self._running = False
         # The batch: rows, and per layer keys/values [rows, kv_heads, width, head_dim].
         self._rows: list[_Row] = []
-        self._cache: DynamicCache | None = None
+        self._cache: Cache | None = None
 
     # ----------------------------------------------------------------- submission
     def submit(self, request: SampleRequest) -> Future[list[Sampled]]:
@@ -160,12 +198,14 @@ class BatchEngine:
                     return
             for job, future in jobs:
                 _settle(future, job)
+            started = time.perf_counter()
             try:
                 with torch.inference_mode(), autocast(self.device):
                     for request in admitted:
                         self._admit(request)
                     if self._rows:
                         self._step()
+                self.stats.busy_seconds += time.perf_counter() - started
             except Exception as error:
                 self._fail_all(error, admitted)
 
@@ -222,21 +262,20 @@ class BatchEngine:
         count = len(rows)
         length = layers[0][0].shape[2]
         if self._cache is None:
-            self._cache = DynamicCache(
-                ddp_cache_data=[(k.expand(count, -1, -1, -1), v.expand(count, -1, -1, -1))
-                                for k, v in layers]
-            )
+            self._cache = Cache(layers=[
+                _GrowingLayer(k.expand(count, -1, -1, -1), v.expand(count, -1, -1, -1))
+                for k, v in layers
+            ])
         else:
             width = self._cache.layers[0].keys.shape[2]
             grow = max(0, length - width)
+            pad = width + grow - length
             for layer, (k, v) in zip(self._cache.layers, layers, strict=True):
-                layer.keys = torch.cat(
-                    [_left_pad(layer.keys, grow), _left_pad(k, width + grow - length)
-                     .expand(count, -1, -1, -1)]
-                )
-                layer.values = torch.cat(
-                    [_left_pad(layer.values, grow), _left_pad(v, width + grow - length)
-                     .expand(count, -1, -1, -1)]
+                layer.reset_to(
+                    torch.cat([_left_pad(layer.keys, grow),
+                               _left_pad(k, pad).expand(count, -1, -1, -1)]),
+                    torch.cat([_left_pad(layer.values, grow),
+                               _left_pad(v, pad).expand(count, -1, -1, -1)]),
                 )
         self._rows.extend(rows)
 
@@ -252,7 +291,6 @@ class BatchEngine:
         feed = torch.tensor([[row.tokens[-1]] for row in rows], device=self.device)
         out = self.model(input_ids=feed, attention_mask=mask, position_ids=lengths[:, None],
                          cache=self._cache, use_cache=True)
-        self._cache = out.cache
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(rows)
         self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(rows))
@@ -277,8 +315,8 @@ class BatchEngine:
         start = width - max(row.length for row in self._rows)
         index = torch.tensor(keep, device=self.device)
         for layer in layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-            layer.values = layer.values.index_select(0, index)[:, :, start:]
+            layer.reset_to(layer.keys.index_select(0, index)[:, :, start:],
+                           layer.values.index_select(0, index)[:, :, start:])
 
     def _emit(self, row: _Row, token: tuple[int, float]) -> bool:
         """Append a drawn token; True when the row is finished."""
