@@ -5,7 +5,10 @@
   (continuous batch + prefix cache) against (a) today's path, reimplemented here as it was
   before the engine (``SerialSampler``: one call at a time behind a lock, every call prefills
   its whole prompt, a call's rows decode until its slowest row stops) and (b) the one-row
-  baseline: Hugging Face ``generate`` on one row.
+  baseline: Hugging Face ``generate`` on one row. Three rates each: per wall second of the
+  rollout (env work included), per second the sampler was busy, and per CPU second of the
+  sampling thread; the last barely moves with other processes' load, which on a shared
+  machine changes between the phases of one run.
 - prefill: prompt tokens run through the model per turn over a 10-turn ALFWorld episode,
   with the prefix cache and without it (same seeds, hence the same episode).
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
@@ -73,6 +76,7 @@ class SerialSampler:
         self._stops = client._stops
         self._lock = threading.Lock()
         self.busy_seconds = 0.0  # time spent inside calls, under the lock
+        self.busy_cpu_seconds = 0.0  # CPU time of the calling thread meanwhile
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -86,7 +90,7 @@ class SerialSampler:
     def _sample(self, prompt: list[int], n: int, params: SamplingParams) -> SampleResponse:
         stop_ids, stop_strings = self._stops(params.stop)
         with self._lock, torch.inference_mode():
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             generator = torch.Generator().manual_seed(params.seed)
             out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
             cache = out.cache
@@ -112,24 +116,28 @@ class SerialSampler:
                 cache = step.cache
                 logits = step.logits[:, -1, :].float()
             self.busy_seconds += time.perf_counter() - started
+            self.busy_cpu_seconds += time.thread_time() - started_cpu
         sequences = [SampleSequence(stop_reason=r or LENGTH, tokens=t, logprobs=lp)
                      for t, lp, r in zip(tokens, logprobs, reasons, strict=True)]
         return SampleResponse(sequences=sequences, prompt_logprobs=[], input_tokens=len(prompt),
                               output_tokens=sum(len(t) for t in tokens))
 
 
-def one_row_generate(client: LocalSamplingClient, prompt: list[int], tokens: int) -> float:
-    """Tokens/s of Hugging Face ``generate`` sampling one row."""
+def one_row_generate(
+    client: LocalSamplingClient, prompt: list[int], tokens: int
+) -> tuple[float, float]:
+    """Tokens per wall second and per CPU second of Hugging Face ``generate`` on one row."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         out = client.model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
             min_new_tokens=tokens, do_sample=True, top_k=0, top_p=1.0,
             pad_token_id=client.tokenizer.eos_token_id,
         )
-        elapsed = time.perf_counter() - start
-    return (out.shape[1] - ids.shape[1]) / elapsed
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    sampled = out.shape[1] - ids.shape[1]
+    return sampled / elapsed, sampled / cpu
 
 
 # --------------------------------------------------------------------------- rollouts
@@ -149,8 +157,9 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
         prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
         row: dict[str, Any] = {"env_kwargs": kwargs, "opening_prompt_tokens": len(prompt),
                                "load_before": load()}
-        one_row = one_row_generate(base, prompt, 32)
+        one_row, one_row_cpu = one_row_generate(base, prompt, 32)
         row["one_row_generate_tok_s"] = round(one_row, 2)
+        row["one_row_generate_tok_per_cpu_s"] = round(one_row_cpu, 2)
         for label, sampler in (
             ("batched", service.make_sampler(base.model, base.tokenizer, "smollm2")),
             ("today", SerialSampler(base)),
@@ -172,10 +181,12 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
                 "tok_s": round(sampled / elapsed, 2),
                 "load_after": load(),
             }
-            busy = (sampler.stats.busy_seconds if isinstance(sampler, LocalSamplingClient)
-                    else sampler.busy_seconds)
+            timing = sampler.stats if isinstance(sampler, LocalSamplingClient) else sampler
+            busy, cpu = timing.busy_seconds, timing.busy_cpu_seconds
             figures |= {"sampler_busy_seconds": round(busy, 1),
-                        "tok_s_while_sampling": round(sampled / busy, 2)}
+                        "tok_s_while_sampling": round(sampled / busy, 2),
+                        "sampler_cpu_seconds": round(cpu, 1),
+                        "tok_per_sampler_cpu_s": round(sampled / cpu, 2)}
             if isinstance(sampler, LocalSamplingClient):
                 stats = sampler.stats
                 figures |= {
@@ -193,6 +204,13 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
         )
         row["while_sampling_batched_vs_one_row"] = round(
             row["batched"]["tok_s_while_sampling"] / one_row, 2
+        )
+        # Per CPU second of the sampling thread: what other processes' load does not move.
+        row["cpu_batched_vs_today"] = round(
+            row["batched"]["tok_per_sampler_cpu_s"] / row["today"]["tok_per_sampler_cpu_s"], 2
+        )
+        row["cpu_batched_vs_one_row"] = round(
+            row["batched"]["tok_per_sampler_cpu_s"] / one_row_cpu, 2
         )
         pool.close()
         results[name] = row
@@ -306,13 +324,14 @@ def learner_variant(variant: str, shared: bool) -> dict[str, Any]:
         datums = learner_datums(shared)
         before = _rss_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         metrics = client.forward_backward(datums, "importance_sampling").result().metrics
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         peak = _rss_kb("VmHWM")
         grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum()
                                          for p in client.model.parameters() if p.grad is not None)))
-    return {"seconds": round(elapsed, 2), "peak_mb": round((peak - before) / 1024, 1),
+    return {"seconds": round(elapsed, 2), "cpu_seconds": round(cpu, 2),
+            "peak_mb": round((peak - before) / 1024, 1),
             "loss_mean": metrics["loss_mean"], "token_count": metrics["token_count"],
             "grad_norm": grad_norm, "load": load()}
 
@@ -335,11 +354,13 @@ def bench_learner(repeats: int) -> dict[str, Any]:
                 print(f"learner {datums} {variant}: {runs[variant][-1]}", file=sys.stderr,
                       flush=True)
         best = {v: min(r["seconds"] for r in rs) for v, rs in runs.items()}
+        best_cpu = {v: min(r["cpu_seconds"] for r in rs) for v, rs in runs.items()}
         peak = {v: min(r["peak_mb"] for r in rs) for v, rs in runs.items()}
         full, skip = runs["full"][0], runs["skip"][0]
         out[datums] = {
             "runs": runs,
             "speedup": round(best["full"] / best["skip"], 2),
+            "speedup_cpu_time": round(best_cpu["full"] / best_cpu["skip"], 2),
             "peak_memory_ratio": round(peak["skip"] / peak["full"], 3),
             "loss_rel_diff": abs(full["loss_mean"] - skip["loss_mean"]) / abs(full["loss_mean"]),
             "grad_norm_rel_diff": abs(full["grad_norm"] - skip["grad_norm"]) / full["grad_norm"],
@@ -380,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/local_backend.json"))
     parser.add_argument("--sections", default="rollouts,prefill,learner,grpo")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
-    parser.add_argument("--learner-repeats", type=int, default=1)
+    parser.add_argument("--learner-repeats", type=int, default=2)
     parser.add_argument("--learner-variant", choices=("full", "skip"), help=argparse.SUPPRESS)
     parser.add_argument("--learner-shared", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -16,9 +16,11 @@ queue, and one worker thread runs a continuous batch:
   own position ids, so a row's logits are those it would get alone (up to float rounding).
   The width shrinks again when the longest rows leave.
 * **Reproducible draws.** Every row has its own ``torch.Generator`` seeded from (call seed,
-  row index), and draws by inverting its distribution's CDF with one uniform number per
-  token. What a row samples therefore depends on its own seed and logits only, never on
-  which other calls happened to share the batch or in which order they arrived.
+  row index) and draws with the Gumbel-max trick from its own noise. What a row samples
+  therefore depends on its own seed and logits only, not on which other calls happened to
+  share the batch or in which order they arrived. (Its logits can differ in the last float
+  bits with the batch shape; that changes a draw only if two tokens' perturbed scores tie
+  to within that rounding.)
 * **Prefix reuse.** A finished row leaves its keys/values in the sampler's ``PrefixCache``
   (see ``kvcache``), so the branch's next turn prefills only its new tokens.
 
@@ -95,6 +97,7 @@ class EngineStats:
     decoded_rows: int = 0  # sum over steps of rows in the batch
     max_batch_rows: int = 0
     busy_seconds: float = 0.0  # wall time spent prefilling and decoding
+    busy_cpu_seconds: float = 0.0  # CPU time of the engine thread meanwhile (load-robust)
 
 
 class _GrowingLayer(DynamicLayer):
@@ -198,7 +201,7 @@ class BatchEngine:
                     return
             for job, future in jobs:
                 _settle(future, job)
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 with torch.inference_mode(), autocast(self.device):
                     for request in admitted:
@@ -206,6 +209,7 @@ class BatchEngine:
                     if self._rows:
                         self._step()
                 self.stats.busy_seconds += time.perf_counter() - started
+                self.stats.busy_cpu_seconds += time.thread_time() - started_cpu
             except Exception as error:
                 self._fail_all(error, admitted)
 
@@ -362,14 +366,16 @@ class BatchEngine:
             if temperature == 0:
                 chosen = logp.argmax(dim=-1)
             else:
-                uniforms = torch.cat([
-                    torch.rand(1, generator=rows[i].generator, dtype=torch.float64)
+                # Gumbel-max: argmax(logp + Gumbel noise) is an exact draw from softmax(logp).
+                # Unlike inverting the CDF, whose boundaries lie ~1e-7 apart in a 49k-token
+                # tail, it flips only if the top two perturbed scores sit within float
+                # rounding of each other, so rounding differences between batch shapes
+                # (or cached and fresh keys) practically never change a draw.
+                uniforms = torch.stack([
+                    torch.rand(logp.shape[-1], generator=rows[i].generator, dtype=torch.float64)
                     for i in members
                 ]).to(logits.device)
-                cdf = logp.double().exp().cumsum(dim=-1)
-                target = (uniforms * cdf[:, -1])[:, None]
-                chosen = torch.searchsorted(cdf, target, right=True).squeeze(1)
-                chosen = chosen.clamp(max=logp.shape[-1] - 1)
+                chosen = (logp.double() - torch.log(-torch.log(uniforms))).argmax(dim=-1)
             picked = logp.gather(1, chosen[:, None]).squeeze(1)
             for i, token, lp in zip(members, chosen.tolist(), picked.tolist(), strict=True):
                 out[i] = (token, lp)
