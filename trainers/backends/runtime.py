@@ -133,10 +133,11 @@ class StepShape:
 CPU_DEFAULTS = StepShape(batch_size=2, group_size=4, max_tokens=128, max_turns=1)
 
 # SmolLM2-135M on one CPU thread of this machine's class (Xeon, AVX-512, no bf16 units),
-# from benchmarks/bench_local_backend.py: decode throughput of a batch of B rows is about
-# B / (DECODE_ROW_S * B + DECODE_STEP_S) tokens/s, and the learner processes about
-# LEARNER_TOKENS_S tokens/s (forward + backward, LoRA r32).
-DECODE_STEP_S = 0.12
+# from benchmarks/results/local_backend.json (one row: 11-16 tokens per CPU second; 14 rows
+# of Search-v0 rollouts: 66): a decode step of B rows costs about
+# DECODE_STEP_S + DECODE_ROW_S * B seconds, and the learner processes about
+# LEARNER_TOKENS_S tokens/s (forward + backward, LoRA r32: 2,400 tokens in 23 CPU seconds).
+DECODE_STEP_S = 0.08
 DECODE_ROW_S = 0.012
 LEARNER_TOKENS_S = 110.0
 REFERENCE_PARAMS = 135e6
