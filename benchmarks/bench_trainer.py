@@ -25,9 +25,9 @@ from pathlib import Path
 
 from pytrio import Datum, ModelInput
 
-from agent_gym.render import ChatRenderer, Conversation
 from trainers.episode import Turn, build_datum
 from trainers.models import load_tokenizer
+from agent_gym.render import ChatRenderer, Conversation
 
 OPENING = [
     {"role": "system", "content": "You are an agent. Use the python tool, then answer."},

@@ -130,7 +130,8 @@ class StepShape:
 
 # Settings under which a GRPO step on GSM8K-v0 with SmolLM2-135M finishes in a few minutes on
 # one or two CPU threads (see benchmarks/results/local_backend.json for the measured step).
-CPU_DEFAULTS = StepShape(batch_size=2, group_size=4, max_tokens=128, max_turns=1)
+# 256 tokens, not fewer: at 128 every reply of that step was cut before its answer.
+CPU_DEFAULTS = StepShape(batch_size=2, group_size=4, max_tokens=256, max_turns=1)
 
 # SmolLM2-135M on one CPU thread of this machine's class (Xeon, AVX-512, no bf16 units),
 # from benchmarks/results/local_backend.json (one row: 11-16 tokens per CPU second; 14 rows
