@@ -54,12 +54,15 @@ class SamplerPolicy:
                      cut=not self.renderer.is_finished(completion))
 
 
-def sampler_policy(spec: str, *, seed: int, max_tokens: int) -> SamplerPolicy:
-    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``."""
+def sampler_policy(
+    spec: str, *, seed: int, max_tokens: int, device: str = "auto", threads: int | None = None
+) -> SamplerPolicy:
+    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``; ``device`` and
+    ``threads`` place the local sampler (see ``trainers.backends.runtime``)."""
     backend, _, rest = spec.partition(":")
     model, _, checkpoint = rest.partition("@")
     if backend == "pytrio" and not model:
         raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
-    service = make_service(backend)
+    service = make_service(backend, device=device, threads=threads)
     client = service.create_sampling_client(model or "smollm2", checkpoint or None)
     return SamplerPolicy(spec, client, max_tokens=max_tokens, seed=seed)

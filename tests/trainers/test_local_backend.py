@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ SHIFT = [[0.0, 0.0, -0.5, 0.1, 0.0, 0.0], [0.0, 0.4, -0.3, 0.05]]
 
 @pytest.fixture
 def service(tmp_path: Path) -> LocalServiceClient:
-    return LocalServiceClient(checkpoint_dir=tmp_path)
+    return LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1)
 
 
 @pytest.fixture
@@ -297,3 +298,63 @@ def test_embedded_smollm2_answers(service: LocalServiceClient) -> None:
         ModelInput.from_ints(tokens), 1, SamplingParams(max_tokens=12, temperature=0)
     ).result().sequences[0]
     assert "5" in tokenizer.decode(reply.tokens)
+
+
+def test_device_policy_resolves_and_refuses_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainers.backends import runtime
+
+    assert runtime.resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert runtime.resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA"):
+        runtime.resolve_device("cuda:1")
+    with pytest.raises(ValueError, match="MPS"):
+        runtime.resolve_device("mps")
+    with pytest.raises(ValueError, match="one of"):
+        runtime.resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runtime.resolve_device("auto") == torch.device("cuda")
+    with pytest.raises(ValueError, match="only 1 CUDA"):
+        runtime.resolve_device("cuda:1")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert runtime.compute_dtype(torch.device("cuda")) == torch.bfloat16
+    assert runtime.compute_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_thread_policy_leaves_loaded_cores_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainers.backends import runtime
+
+    monkeypatch.delenv(runtime.THREADS_ENV, raising=False)
+    monkeypatch.setattr(runtime, "available_cores", lambda: 8)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.7, 5.0, 4.0))
+    assert runtime.default_threads() == 3  # 8 cores, 5 busy
+    monkeypatch.setattr(os, "getloadavg", lambda: (12.0, 5.0, 4.0))
+    assert runtime.default_threads() == 1
+    monkeypatch.setenv(runtime.THREADS_ENV, "4")
+    assert runtime.default_threads() == 4
+    monkeypatch.setenv(runtime.THREADS_ENV, "lots")
+    with pytest.raises(ValueError, match="positive integer"):
+        runtime.default_threads()
+    before = torch.get_num_threads()
+    try:
+        assert runtime.apply_threads(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="at least 1"):
+        runtime.apply_threads(0)
+
+
+def test_cpu_defaults_pass_and_gpu_scale_settings_warn_with_the_cost() -> None:
+    from trainers.backends import runtime
+
+    cpu = torch.device("cpu")
+    assert runtime.cpu_step_warning(cpu, runtime.CPU_DEFAULTS) is None
+    assert runtime.step_cost(runtime.CPU_DEFAULTS) < runtime.WARN_STEP_SECONDS
+    gpu_scale = runtime.StepShape(batch_size=8, group_size=8, max_tokens=512)
+    warning = runtime.cpu_step_warning(cpu, gpu_scale)
+    assert warning is not None and "min" in warning and "--group-size 4" in warning
+    assert runtime.cpu_step_warning(torch.device("cuda"), gpu_scale) is None
+    # More threads or a smaller model make a step cheaper.
+    assert runtime.step_cost(gpu_scale, threads=4) < runtime.step_cost(gpu_scale)

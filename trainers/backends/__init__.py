@@ -9,16 +9,23 @@ BACKENDS = ("local", "pytrio")
 
 
 def make_service(
-    backend: str, *, checkpoint_dir: str | Path | None = None, api_key: str | None = None
+    backend: str,
+    *,
+    checkpoint_dir: str | Path | None = None,
+    api_key: str | None = None,
+    device: str = "auto",
+    threads: int | None = None,
 ) -> Any:
     """A service client: ``LocalServiceClient`` or an authenticated ``pytrio.ServiceClient``.
 
-    Imported lazily: the local backend pulls in torch, the remote one a network session.
+    ``device`` and ``threads`` place the local backend (``trainers.backends.runtime``); the
+    remote service decides its own hardware. Imported lazily: the local backend pulls in
+    torch, the remote one a network session.
     """
     if backend == "local":
         from trainers.backends.local import LocalServiceClient
 
-        return LocalServiceClient(checkpoint_dir=checkpoint_dir)
+        return LocalServiceClient(checkpoint_dir=checkpoint_dir, device=device, threads=threads)
     if backend == "pytrio":
         from trainers.backends.pytrio import connect
 

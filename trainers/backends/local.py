@@ -13,6 +13,12 @@ would reject is rejected here with the same message. Calls run eagerly and retur
 Beyond pytrio: ``create_full_training_client`` fine-tunes every weight (useful for tiny
 models), and a ``base_model`` is any spec of ``trainers.models`` (``smollm2``, ``tiny``, a
 local Hugging Face directory). Checkpoint paths are plain directories.
+
+The learner computes only what the trained positions depend on, with the same loss and
+gradient as the full-logits pass: the LM head and log-softmax run only where a target trains
+(``trainers.backends.logprobs``), rows stop at their last trained position, and rows opening
+with the same untrained prompt (a GRPO group) run that prompt once (``_trained_hidden``).
+``device`` and ``threads`` pick where it runs (``trainers.backends.runtime``).
 """
 
 from __future__ import annotations
@@ -43,13 +49,21 @@ from pytrio.types import (
     SaveWeightsResponse,
     TensorData,
 )
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from trainers.backends.logprobs import split_model, target_logprobs
 from trainers.backends.losses import check_loss, token_losses
-from trainers.backends.sampler import LocalSamplingClient
+from trainers.backends.runtime import apply_threads, autocast, resolve_device
+from trainers.backends.sampler import (
+    DEFAULT_KV_CACHE_BYTES,
+    DEFAULT_MAX_ROWS,
+    LocalSamplingClient,
+)
 from trainers.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Rows opening with at least this many identical untrained tokens share their computation.
+MIN_SHARED_PREFIX = 16
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 META_FILE = "meta.json"
 WEIGHTS_FILE = "weights.safetensors"
@@ -84,13 +98,44 @@ class LocalServiceClient:
             training client gets its own sub-directory. Default: ``<cache>/checkpoints``.
         microbatch_tokens: padded tokens per forward pass inside one ``forward_backward``
             (bounds memory; the gradient does not depend on it).
+        device: ``auto`` (CUDA, then MPS, else CPU) | ``cpu`` | ``cuda[:N]`` | ``mps``.
+        threads: torch intra-op threads for this process; ``None`` = the thread policy's
+            default (``runtime.default_threads``: free cores, or ``$AGENT_GYM_THREADS``).
+        logit_chunk: trained positions per LM-head chunk in the learner (bounds the logits
+            held at once: ``logit_chunk x vocabulary`` floats).
+        sampler_max_rows / kv_cache_bytes: each sampler's batch size and prefix-cache memory
+            (see ``LocalSamplingClient``).
     """
 
     def __init__(
-        self, checkpoint_dir: str | Path | None = None, microbatch_tokens: int = 4096
+        self,
+        checkpoint_dir: str | Path | None = None,
+        microbatch_tokens: int = 4096,
+        *,
+        device: str | torch.device = "auto",
+        threads: int | None = None,
+        logit_chunk: int = 512,
+        sampler_max_rows: int = DEFAULT_MAX_ROWS,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir or cache_dir() / "checkpoints")
         self.microbatch_tokens = microbatch_tokens
+        self.device = resolve_device(device)
+        self.threads = apply_threads(threads)
+        if logit_chunk < 1:
+            raise ValueError(f"logit_chunk must be at least 1, got {logit_chunk}")
+        self.logit_chunk = logit_chunk
+        self.sampler_max_rows = sampler_max_rows
+        self.kv_cache_bytes = kv_cache_bytes
+
+    def make_sampler(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_id: str
+    ) -> LocalSamplingClient:
+        """A sampling client on ``model`` with this service's batching and cache settings."""
+        return LocalSamplingClient(
+            model, tokenizer, model_id, max_rows=self.sampler_max_rows,
+            kv_cache_bytes=self.kv_cache_bytes,
+        )
 
     def get_supported_models(self) -> list[str]:
         return [DEFAULT_MODEL, "tiny"]
@@ -122,7 +167,8 @@ class LocalServiceClient:
     ) -> LocalSamplingClient:
         if model_path is None:
             tokenizer = load_tokenizer(base_model)
-            return LocalSamplingClient(load_model(base_model, tokenizer), tokenizer, base_model)
+            model = load_model(base_model, tokenizer).to(self.device)
+            return self.make_sampler(model, tokenizer, base_model)
         setup = _read_meta(model_path)
         if setup.base_model != base_model:
             raise ValueError(
@@ -152,11 +198,13 @@ class LocalTrainingClient:
         self._service = service
         self._dir = service.checkpoint_dir / f"run-{uuid.uuid4().hex[:12]}"
         self.tokenizer = load_tokenizer(setup.base_model)
+        self.device = service.device
         model = load_model(setup.base_model, self.tokenizer)
         with torch.random.fork_rng(devices=[]):
             if setup.seed is not None:
                 torch.manual_seed(setup.seed)
-            self.model = self._make_trainable(model)
+            self.model = self._make_trainable(model).to(self.device)
+        self._body, self._head = split_model(self.model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer: torch.optim.AdamW | None = None
         self.vocab_size = min(len(self.tokenizer), model.get_input_embeddings().num_embeddings)
@@ -253,14 +301,16 @@ class LocalTrainingClient:
             with torch.set_grad_enabled(backward):
                 terms, logprobs, lengths = self._losses(batch, loss_fn, config)
                 total = terms.sum()
-                if backward and denominator:
+                if backward and denominator and total.requires_grad:  # else nothing trains here
                     (total / denominator).backward()
             loss_sum += float(total.detach())
             for row, length in enumerate(lengths):
                 outputs.append(
                     {
-                        "logprobs": TensorData.from_torch(logprobs[row, :length].detach()),
-                        "elementwise_loss": TensorData.from_torch(terms[row, :length].detach()),
+                        "logprobs": TensorData.from_torch(logprobs[row, :length].detach().cpu()),
+                        "elementwise_loss": TensorData.from_torch(
+                            terms[row, :length].detach().cpu()
+                        ),
                     }
                 )
         return ForwardBackwardOutput(
@@ -287,7 +337,6 @@ class LocalTrainingClient:
             return out
 
         ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
-        mask = padded([[1] * n for n in lengths], 0, torch.long)
         targets = padded([s.target_tokens for s in batch], -100, torch.long)
         counted = targets != -100
         if loss_fn == "cross_entropy":
@@ -298,10 +347,68 @@ class LocalTrainingClient:
                 "logprobs": padded([s.logprobs for s in batch], 0.0, torch.float32),
                 "advantages": padded([s.advantages for s in batch], 0.0, torch.float32),
             }
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-        logprobs = torch.where(counted, picked - torch.logsumexp(logits, dim=-1), 0.0)
+        device = self.device
+        ids, targets, counted = (t.to(device) for t in (ids, targets, counted))
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        logprobs = torch.zeros(counted.shape, dtype=torch.float32, device=device)
+        with autocast(device):
+            rows, positions, hidden = self._trained_hidden(ids, counted)
+            # Only positions that train reach the LM head (see trainers.backends.logprobs).
+            picked = target_logprobs(self._head, hidden, targets[rows, positions],
+                                     self._service.logit_chunk)
+        logprobs = logprobs.index_put((rows, positions), picked)
         return token_losses(loss_fn, logprobs, inputs, counted, config), logprobs, lengths
+
+    def _trained_hidden(
+        self, ids: torch.Tensor, counted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Final hidden states at the counted positions: (rows, positions, [M, hidden]).
+
+        Only what those positions depend on is computed. A row runs up to its last counted
+        position (later ones cannot influence it), rows with nothing counted not at all, and
+        rows that open with the same untrained tokens (a GRPO group's prompt, TEMPO branches'
+        resume prefix) run that prefix once and continue from its keys and values, whose
+        gradient then sums over the rows, exactly as if each row had computed it.
+        """
+        flags = counted.cpu()
+        has = flags.any(dim=1)
+        first = flags.int().argmax(dim=1)
+        last = flags.shape[1] - 1 - flags.flip(1).int().argmax(dim=1)
+        tokens = ids.cpu().tolist()
+        groups = shared_prefixes(
+            [tokens[r][: int(first[r])] if has[r] else None for r in range(len(tokens))],
+            MIN_SHARED_PREFIX,
+        )
+        pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for members, prefix in groups:
+            index = torch.tensor(members, device=ids.device)
+            ends = (last[members] + 1).to(ids.device)
+            width = int(ends.max())
+            columns = torch.arange(width, device=ids.device)
+            mask = (columns[None] < ends[:, None]).long()
+            if prefix:
+                shared = self._body(input_ids=ids[members[0] : members[0] + 1, :prefix],
+                                    use_cache=True).cache
+                past = DynamicCache(ddp_cache_data=[
+                    (layer.keys.expand(len(members), -1, -1, -1),
+                     layer.values.expand(len(members), -1, -1, -1))
+                    for layer in shared.layers
+                ])
+                hidden = self._body(
+                    input_ids=ids[index, prefix:width], attention_mask=mask,
+                    position_ids=columns[prefix:][None].expand(len(members), -1),
+                    cache=past, use_cache=True,
+                ).last_hidden_state
+            else:
+                hidden = self._body(input_ids=ids[index, :width],
+                                    attention_mask=mask).last_hidden_state
+            local = counted[index, :width].nonzero(as_tuple=True)
+            pieces.append((index[local[0]], local[1], hidden[local[0], local[1] - prefix]))
+        if not pieces:  # nothing trains in this microbatch
+            empty = torch.zeros(0, dtype=torch.long, device=ids.device)
+            return empty, empty, torch.zeros(0, 0, device=ids.device)
+        rows, positions, hidden = zip(*pieces, strict=True)
+        return torch.cat(rows), torch.cat(positions), torch.cat(hidden)
 
     # ----------------------------------------------------------------- optimizer
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
@@ -342,7 +449,7 @@ class LocalTrainingClient:
         snapshot = copy.deepcopy(self.model)
         for parameter in snapshot.parameters():
             parameter.grad = None
-        return LocalSamplingClient(snapshot, self.tokenizer, self.model_id)
+        return self._service.make_sampler(snapshot, self.tokenizer, self.model_id)
 
     def create_sampling_client(self, model_path: str) -> LocalSamplingClient:
         return self._service.create_sampling_client(self.model_id, model_path)
@@ -420,6 +527,31 @@ def _read_meta(path: str) -> TrainingSetup:
     if not meta.is_file():
         raise FileNotFoundError(f"{path} is not a local checkpoint (no {META_FILE})")
     return TrainingSetup(**json.loads(meta.read_text(encoding="utf-8")))
+
+
+def shared_prefixes(
+    leads: Sequence[Sequence[int] | None], minimum: int
+) -> list[tuple[list[int], int]]:
+    """Rows grouped by identical untrained opening tokens: ``(rows, shared length)``.
+
+    ``leads[r]`` is row r's tokens before its first counted position (None: nothing counted;
+    the row is left out). Rows whose lead is shared by another row and at least ``minimum``
+    long form a group with that prefix; all other rows go together with prefix 0.
+    """
+    by_lead: dict[tuple[int, ...], list[int]] = {}
+    for row, lead in enumerate(leads):
+        if lead is not None:
+            by_lead.setdefault(tuple(lead), []).append(row)
+    groups: list[tuple[list[int], int]] = []
+    alone: list[int] = []
+    for lead, rows in by_lead.items():
+        if len(rows) > 1 and len(lead) >= minimum:
+            groups.append((rows, len(lead)))
+        else:
+            alone.extend(rows)
+    if alone:
+        groups.append((sorted(alone), 0))
+    return groups
 
 
 def _microbatches(samples: Sequence[Any], budget: int) -> list[list[Any]]:

@@ -1,12 +1,18 @@
 """Local sampling with pytrio's ``SamplingClient`` surface and real per-token logprobs.
 
-``num_samples`` sequences from one prompt share a single prefill: the prompt's key/value
-cache is computed once and repeated, which is what makes GRPO's N branches per task cheap.
+Every call goes to one batching engine (``trainers.backends.batching``): concurrent calls
+(all groups' first turns, every branch's later turns, critic samples) are decoded together as
+one batch, rows joining and leaving as they arrive and finish, and each branch's next turn
+prefills only the tokens its previous turn did not (``trainers.backends.kvcache``).
+``num_samples`` sequences from one prompt share a single prefill.
+
 Each returned token carries its logprob under the distribution it was drawn from
 (temperature, top-k and top-p applied); with the defaults (temperature 1, no filtering) that
 is exactly the model's logprob, so a fresh sampler's logprobs match ``compute_logprobs`` and
 the importance ratio of an on-policy update starts at 1. A temperature of 0 picks the most
-likely token and reports the model's own logprob of it.
+likely token and reports the model's own logprob of it. With a seed, what a call samples
+depends on the seed, the prompt and the weights only, not on which other calls share the
+batch: row ``i`` of a call draws from its own generator seeded from ``(seed, i)``.
 
 A sequence stops at a stop token or stop string (kept in the returned tokens, as pytrio
 does) with ``stop_reason="stop"``, or at ``max_tokens`` / the context limit with
@@ -16,33 +22,57 @@ does) with ``stop_reason="stop"``, or at ``max_tokens`` / the context limit with
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from pytrio import ModelInput, SamplingParams
 from pytrio.types import APIFuture, SampleResponse, SampleSequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-STOP = "stop"
-LENGTH = "length"
+from trainers.backends.batching import BatchEngine, EngineStats, SampleRequest
+from trainers.backends.kvcache import PrefixCache
+from trainers.backends.logprobs import split_model, target_logprobs
+from trainers.backends.runtime import autocast
+
+DEFAULT_MAX_ROWS = 64
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+LOGPROB_CHUNK = 512
 
 
 class LocalSamplingClient:
-    """Samples from a fixed copy of some weights; training never changes it afterwards."""
+    """Samples from a fixed copy of some weights; training never changes it afterwards.
+
+    Args:
+        max_rows: rows decoded together at most (more wait for room; a single call larger
+            than this runs alone).
+        kv_cache_bytes: memory for keys/values kept between calls for prefix reuse (0 turns
+            reuse off). It lives and dies with this client, i.e. with these weights.
+    """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_id: str
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        model_id: str,
+        *,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.model_id = model_id
+        self.device = next(model.parameters()).device
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
-        # One worker thread: torch already uses every core for one batch, and calls from
-        # concurrent rollouts must not interleave their caches.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-sampler")
-        self._lock = threading.Lock()
+        self._body, self._head = split_model(self.model)
+        self.engine = BatchEngine(
+            self.model, tokenizer, self.device, max_rows=max_rows,
+            prefix_cache=PrefixCache(kv_cache_bytes),
+        )
+
+    @property
+    def stats(self) -> EngineStats:
+        """Prefill / reuse / decode counters of this sampler's engine."""
+        return self.engine.stats
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -57,12 +87,15 @@ class LocalSamplingClient:
         topk_prompt_logprobs: int = 0,
         return_text: bool = True,
     ) -> APIFuture[SampleResponse]:
-        return APIFuture.completed(
-            self._sample(
-                prompt, num_samples, sampling_params, include_prompt_logprobs,
-                topk_prompt_logprobs, return_text,
-            )
+        request, tokens = self._request(prompt, num_samples, sampling_params,
+                                        topk_prompt_logprobs)
+        sequences = self.engine.submit(request).result()
+        prompt_logprobs = (
+            self.engine.run(lambda: self._prompt_logprobs(tokens)).result()
+            if include_prompt_logprobs else []
         )
+        return APIFuture.completed(self._response(tokens, sequences, prompt_logprobs,
+                                                  return_text))
 
     async def sample_async(
         self,
@@ -73,21 +106,22 @@ class LocalSamplingClient:
         topk_prompt_logprobs: int = 0,
         return_text: bool = True,
     ) -> SampleResponse:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor,
-            self._sample,
-            prompt, num_samples, sampling_params, include_prompt_logprobs,
-            topk_prompt_logprobs, return_text,
+        request, tokens = self._request(prompt, num_samples, sampling_params,
+                                        topk_prompt_logprobs)
+        sequences = await asyncio.wrap_future(self.engine.submit(request))
+        prompt_logprobs = (
+            await asyncio.wrap_future(self.engine.run(lambda: self._prompt_logprobs(tokens)))
+            if include_prompt_logprobs else []
         )
+        return self._response(tokens, sequences, prompt_logprobs, return_text)
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture[list[float | None]]:
-        return APIFuture.completed(self._prompt_logprobs(self._tokens(prompt)))
+        tokens = self._tokens(prompt)
+        return APIFuture.completed(self.engine.run(lambda: self._prompt_logprobs(tokens)).result())
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
         tokens = self._tokens(prompt)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._prompt_logprobs, tokens
-        )
+        return await asyncio.wrap_future(self.engine.run(lambda: self._prompt_logprobs(tokens)))
 
     # ----------------------------------------------------------------- implementation
     def _tokens(self, prompt: ModelInput) -> list[int]:
@@ -106,15 +140,13 @@ class LocalSamplingClient:
             )
         return tokens
 
-    def _sample(
+    def _request(
         self,
         prompt: ModelInput,
         num_samples: int,
         params: SamplingParams | None,
-        include_prompt_logprobs: bool,
         topk_prompt_logprobs: int,
-        return_text: bool,
-    ) -> SampleResponse:
+    ) -> tuple[SampleRequest, list[int]]:
         params = params or SamplingParams()
         tokens = self._tokens(prompt)
         if params.max_tokens is None or params.max_tokens <= 0:
@@ -128,8 +160,26 @@ class LocalSamplingClient:
                 "sampling needs temperature >= 0, 0 < top_p <= 1 and top_k > 0 or -1"
             )
         stop_ids, stop_strings = self._stops(params.stop)
-        with self._lock, torch.inference_mode():
-            sequences = self._generate(tokens, num_samples, params, stop_ids, stop_strings)
+        # An unseeded call still gets per-row generators, seeded from torch's global RNG.
+        seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, ()))
+        request = SampleRequest(
+            prompt=tokens,
+            num_samples=num_samples,
+            params=params,
+            budget=min(params.max_tokens, self.context_length - len(tokens)),
+            stop_ids=frozenset(stop_ids),
+            stop_strings=tuple(stop_strings),
+            seed=seed,
+        )
+        return request, tokens
+
+    def _response(
+        self,
+        tokens: list[int],
+        sequences: list[tuple[list[int], list[float], str]],
+        prompt_logprobs: list[float | None],
+        return_text: bool,
+    ) -> SampleResponse:
         out = [
             SampleSequence(
                 stop_reason=reason,
@@ -141,7 +191,7 @@ class LocalSamplingClient:
         ]
         return SampleResponse(
             sequences=out,
-            prompt_logprobs=self._prompt_logprobs(tokens) if include_prompt_logprobs else [],
+            prompt_logprobs=prompt_logprobs,
             input_tokens=len(tokens),
             output_tokens=sum(len(s.tokens) for s in out),
         )
@@ -161,78 +211,10 @@ class LocalSamplingClient:
             return set(), items
         raise ValueError("stop must be a string, a list of strings or a list of token ids")
 
-    def _generate(
-        self,
-        prompt: list[int],
-        n: int,
-        params: SamplingParams,
-        stop_ids: set[int],
-        stop_strings: list[str],
-    ) -> list[tuple[list[int], list[float], str]]:
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
-        cache = out.cache
-        cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1, :].float().expand(n, -1)
-        budget = min(params.max_tokens or 0, self.context_length - len(prompt))
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logprobs: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        for _ in range(budget):
-            chosen, chosen_logprobs = _draw(logits, params, generator)
-            for i in range(n):
-                if reasons[i] is not None:
-                    continue
-                token = int(chosen[i])
-                tokens[i].append(token)
-                logprobs[i].append(float(chosen_logprobs[i]))
-                if token in stop_ids or (
-                    stop_strings and _ends_with_stop(self.tokenizer, tokens[i], stop_strings)
-                ):
-                    reasons[i] = STOP
-            if all(r is not None for r in reasons):
-                break
-            step = self.model(input_ids=chosen[:, None], cache=cache, use_cache=True)
-            cache = step.cache
-            logits = step.logits[:, -1, :].float()
-        return [(t, lp, r or LENGTH) for t, lp, r in zip(tokens, logprobs, reasons, strict=True)]
-
     def _prompt_logprobs(self, tokens: list[int]) -> list[float | None]:
-        with self._lock, torch.inference_mode():
-            logits = self.model(input_ids=torch.tensor([tokens])).logits[0].float()
-        logp = torch.log_softmax(logits[:-1], dim=-1)
-        picked = logp.gather(1, torch.tensor(tokens[1:])[:, None]).squeeze(1)
-        return [None, *picked.tolist()]
-
-
-def _draw(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row, and its logprob under the distribution it was drawn from."""
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        chosen = logp.argmax(dim=-1)
-        return chosen, logp.gather(1, chosen[:, None]).squeeze(1)
-    scaled = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1:
-        ordered, order = torch.sort(scaled, dim=-1, descending=True)
-        before = torch.softmax(ordered, dim=-1).cumsum(dim=-1) - torch.softmax(ordered, dim=-1)
-        drop = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
-        scaled = scaled.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    logp = torch.log_softmax(scaled, dim=-1)
-    chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-    return chosen, logp.gather(1, chosen[:, None]).squeeze(1)
-
-
-def _ends_with_stop(
-    tokenizer: PreTrainedTokenizerBase, tokens: list[int], stops: list[str]
-) -> bool:
-    longest = max(len(s) for s in stops)
-    # A stop string spans at most `longest` tokens; decoding a short tail keeps this O(1).
-    tail = tokenizer.decode(tokens[-longest - 1 :])
-    return any(s in tail for s in stops)
+        """Runs on the engine's thread (``engine.run``)."""
+        ids = torch.tensor([tokens], device=self.device)
+        with torch.inference_mode(), autocast(self.device):
+            hidden = self._body(input_ids=ids).last_hidden_state[0, :-1]
+            picked = target_logprobs(self._head, hidden, ids[0, 1:], LOGPROB_CHUNK)
+        return [None, *picked.cpu().tolist()]

@@ -1,0 +1,439 @@
+"""The local backend at the machine's limits, each figure beside a baseline from the same run.
+
+- rollouts: sampled tokens/s of ``trainers.rollout.rollout_groups`` on ALFWorld-v0 (text
+  protocol) and Search-v0, 4 tasks x 8 branches x up to 6 turns, with the batching sampler
+  (continuous batch + prefix cache) against (a) today's path, reimplemented here as it was
+  before the engine (``SerialSampler``: one call at a time behind a lock, every call prefills
+  its whole prompt, a call's rows decode until its slowest row stops) and (b) the one-row
+  baseline: Hugging Face ``generate`` on one row. Three rates each: per wall second of the
+  rollout (env work included), per second the sampler was busy, and per CPU second of the
+  sampling thread; the last barely moves with other processes' load, which on a shared
+  machine changes between the phases of one run.
+- prefill: prompt tokens run through the model per turn over a 10-turn ALFWorld episode,
+  with the prefix cache and without it (same seeds, hence the same episode).
+- learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
+  time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
+  process) of the new pass against the full-logits pass (today's ``_losses``, reimplemented
+  here), on unrelated datums and on one GRPO group's datums (one shared prompt).
+- grpo: one GRPO step on GSM8K-v0 at the CPU defaults (``runtime.CPU_DEFAULTS``), with its
+  phase split, and the step-cost estimate for it and for the GPU-scale defaults.
+
+Everything runs on one torch thread (this machine is shared; see runtime.default_threads).
+
+    python benchmarks/bench_local_backend.py [--out benchmarks/results/local_backend.json]
+        [--sections rollouts,prefill,learner,grpo] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from pytrio import Datum, ModelInput, SamplingParams
+from pytrio.types import SampleResponse, SampleSequence
+
+from agent_gym.render import ChatRenderer, Conversation
+from trainers.backends.batching import LENGTH, STOP
+from trainers.backends.local import LocalServiceClient, LocalTrainingClient
+from trainers.backends.losses import token_losses
+from trainers.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
+from trainers.backends.sampler import LocalSamplingClient
+from trainers.rollout import EnvPool, RolloutConfig, env_factory, rollout_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVS = {
+    "ALFWorld-v0": ("agent_gym/ALFWorld-v0", {"protocol": "text"}),
+    "Search-v0": ("agent_gym/Search-v0", {}),
+}
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+# --------------------------------------------------------------------------- today's path
+class SerialSampler:
+    """The local sampler as it was before the batching engine, for the baseline: calls are
+    served one at a time, each prefills its whole prompt (logits at every position), and
+    the rows of a call (sharing that prefill) decode until the slowest one stops."""
+
+    def __init__(self, client: LocalSamplingClient) -> None:
+        self.model = client.model
+        self.tokenizer = client.tokenizer
+        self._stops = client._stops
+        self._lock = threading.Lock()
+        self.busy_seconds = 0.0  # time spent inside calls, under the lock
+        self.busy_cpu_seconds = 0.0  # CPU time of the calling thread meanwhile
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def sample_async(
+        self, prompt: ModelInput, num_samples: int = 1, sampling_params: SamplingParams = None
+    ) -> SampleResponse:
+        return await asyncio.to_thread(self._sample, prompt.to_ints(), num_samples,
+                                       sampling_params)
+
+    def _sample(self, prompt: list[int], n: int, params: SamplingParams) -> SampleResponse:
+        stop_ids, stop_strings = self._stops(params.stop)
+        with self._lock, torch.inference_mode():
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            generator = torch.Generator().manual_seed(params.seed)
+            out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
+            cache = out.cache
+            cache.batch_repeat_interleave(n)
+            logits = out.logits[:, -1, :].float().expand(n, -1)
+            tokens: list[list[int]] = [[] for _ in range(n)]
+            logprobs: list[list[float]] = [[] for _ in range(n)]
+            reasons: list[str | None] = [None] * n
+            for _ in range(params.max_tokens):
+                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+                chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+                picked = logp.gather(1, chosen[:, None]).squeeze(1)
+                for i in range(n):
+                    if reasons[i] is None:
+                        tokens[i].append(int(chosen[i]))
+                        logprobs[i].append(float(picked[i]))
+                        tail = self.tokenizer.decode(tokens[i][-8:]) if stop_strings else ""
+                        if tokens[i][-1] in stop_ids or any(s in tail for s in stop_strings):
+                            reasons[i] = STOP
+                if all(r is not None for r in reasons):
+                    break
+                step = self.model(input_ids=chosen[:, None], cache=cache, use_cache=True)
+                cache = step.cache
+                logits = step.logits[:, -1, :].float()
+            self.busy_seconds += time.perf_counter() - started
+            self.busy_cpu_seconds += time.thread_time() - started_cpu
+        sequences = [SampleSequence(stop_reason=r or LENGTH, tokens=t, logprobs=lp)
+                     for t, lp, r in zip(tokens, logprobs, reasons, strict=True)]
+        return SampleResponse(sequences=sequences, prompt_logprobs=[], input_tokens=len(prompt),
+                              output_tokens=sum(len(t) for t in tokens))
+
+
+def one_row_generate(
+    client: LocalSamplingClient, prompt: list[int], tokens: int
+) -> tuple[float, float]:
+    """Tokens per wall second and per CPU second of Hugging Face ``generate`` on one row."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        out = client.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+            min_new_tokens=tokens, do_sample=True, top_k=0, top_p=1.0,
+            pad_token_id=client.tokenizer.eos_token_id,
+        )
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    sampled = out.shape[1] - ids.shape[1]
+    return sampled / elapsed, sampled / cpu
+
+
+# --------------------------------------------------------------------------- rollouts
+def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, Any]:
+    base = service.create_sampling_client("smollm2")
+    renderer = ChatRenderer(base.tokenizer)
+    config = RolloutConfig(group_size=8, max_turns=6, max_tokens=max_tokens,
+                           max_trajectory_tokens=4096)
+    results: dict[str, Any] = {"tasks": 4, "branches": 8, "max_turns": 6,
+                               "max_tokens_per_reply": max_tokens}
+    for name, (env_id, kwargs) in ENVS.items():
+        pool = EnvPool(env_factory(env_id, kwargs, None))
+        borrowed = [pool() for _ in range(4 * 8)]  # build every env before timing
+        for env in borrowed:
+            env.close()
+        opening = borrowed[0].reset(options={"index": 0})[1]
+        prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
+        row: dict[str, Any] = {"env_kwargs": kwargs, "opening_prompt_tokens": len(prompt),
+                               "load_before": load()}
+        one_row, one_row_cpu = one_row_generate(base, prompt, 32)
+        row["one_row_generate_tok_s"] = round(one_row, 2)
+        row["one_row_generate_tok_per_cpu_s"] = round(one_row_cpu, 2)
+        for label, sampler in (
+            ("batched", service.make_sampler(base.model, base.tokenizer, "smollm2")),
+            ("today", SerialSampler(base)),
+        ):
+            start = time.perf_counter()
+            groups = asyncio.run(rollout_groups(
+                pool, [{"index": i} for i in range(4)], sampler, renderer, config,
+                seeds=list(range(4)), concurrency=4,
+            ))
+            elapsed = time.perf_counter() - start
+            episodes = [e for g in groups for e in g]
+            sampled = sum(e.sampled_tokens for e in episodes)
+            figures = {
+                "seconds": round(elapsed, 1),
+                "sampled_tokens": sampled,
+                "sampler_calls": sum(len(e.turns) for e in episodes),
+                "turns_mean": round(sum(len(e.turns) for e in episodes) / len(episodes), 2),
+                "end_reasons": dict(Counter(e.end_reason for e in episodes)),
+                "tok_s": round(sampled / elapsed, 2),
+                "load_after": load(),
+            }
+            timing = sampler.stats if isinstance(sampler, LocalSamplingClient) else sampler
+            busy, cpu = timing.busy_seconds, timing.busy_cpu_seconds
+            figures |= {"sampler_busy_seconds": round(busy, 1),
+                        "tok_s_while_sampling": round(sampled / busy, 2),
+                        "sampler_cpu_seconds": round(cpu, 1),
+                        "tok_per_sampler_cpu_s": round(sampled / cpu, 2)}
+            if isinstance(sampler, LocalSamplingClient):
+                stats = sampler.stats
+                figures |= {
+                    "prefill_tokens": stats.prefill_tokens,
+                    "reused_prefix_tokens": stats.reused_tokens,
+                    "mean_batch_rows": round(stats.decoded_rows / max(1, stats.decode_steps), 1),
+                    "max_batch_rows": stats.max_batch_rows,
+                }
+            row[label] = figures
+            print(f"{name} {label}: {figures}", file=sys.stderr, flush=True)
+        row["batched_vs_one_row"] = round(row["batched"]["tok_s"] / one_row, 2)
+        row["batched_vs_today"] = round(row["batched"]["tok_s"] / row["today"]["tok_s"], 2)
+        row["while_sampling_batched_vs_today"] = round(
+            row["batched"]["tok_s_while_sampling"] / row["today"]["tok_s_while_sampling"], 2
+        )
+        row["while_sampling_batched_vs_one_row"] = round(
+            row["batched"]["tok_s_while_sampling"] / one_row, 2
+        )
+        # Per CPU second of the sampling thread: what other processes' load does not move.
+        row["cpu_batched_vs_today"] = round(
+            row["batched"]["tok_per_sampler_cpu_s"] / row["today"]["tok_per_sampler_cpu_s"], 2
+        )
+        row["cpu_batched_vs_one_row"] = round(
+            row["batched"]["tok_per_sampler_cpu_s"] / one_row_cpu, 2
+        )
+        pool.close()
+        results[name] = row
+    return results
+
+
+# --------------------------------------------------------------------------- prefill
+def bench_prefill(service: LocalServiceClient, turns: int = 10) -> dict[str, Any]:
+    import gymnasium
+
+    base = service.create_sampling_client("smollm2")
+    renderer = ChatRenderer(base.tokenizer)
+    out: dict[str, Any] = {"env": "ALFWorld-v0 (text)", "turns": turns, "max_tokens": 24}
+    for label, cache_bytes in (("with_cache", 1 << 30), ("without_cache", 0)):
+        sampler = LocalSamplingClient(base.model, base.tokenizer, "smollm2",
+                                      kv_cache_bytes=cache_bytes)
+        env = gymnasium.make("agent_gym/ALFWorld-v0", protocol="text", max_turns=turns + 1)
+        _, info = env.reset(options={"index": 0})
+        conversation = Conversation.start(renderer, info["messages"], info.get("tools"))
+        per_turn, prompts = [], []
+        start = time.perf_counter()
+        for turn in range(turns):
+            before = sampler.stats.prefill_tokens
+            params = SamplingParams(max_tokens=24, seed=turn, stop=list(renderer.stop_tokens))
+            reply = sampler.sample(ModelInput.from_ints(conversation.tokens), 1,
+                                   params).result().sequences[0]
+            per_turn.append(sampler.stats.prefill_tokens - before)
+            prompts.append(len(conversation.tokens))
+            _, _, terminated, truncated, info = env.step(renderer.completion_text(reply.tokens))
+            if terminated or truncated:
+                break
+            conversation.append(reply.tokens, [info["message"]])
+        env.close()
+        out[label] = {"prefill_tokens_per_turn": per_turn, "prompt_tokens_per_turn": prompts,
+                      "prefill_tokens_total": sum(per_turn),
+                      "seconds": round(time.perf_counter() - start, 1)}
+    with_cache, without = out["with_cache"], out["without_cache"]
+    out["same_episode"] = with_cache["prompt_tokens_per_turn"] == without["prompt_tokens_per_turn"]
+    out["total_ratio_without_vs_with"] = round(
+        without["prefill_tokens_total"] / with_cache["prefill_tokens_total"], 2
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- learner
+def learner_datums(shared: bool, count: int = 8, length: int = 300,
+                   masked: float = 0.4) -> list[Datum]:
+    """8 datums of 300 tokens whose first 40% of positions are masked (the prompt); with
+    ``shared`` they are one GRPO group (one prompt, 8 sampled replies), else unrelated."""
+    generator = torch.Generator().manual_seed(0)
+    prompt_length = int(length * masked) + 1
+    prompt = torch.randint(10, 49000, (prompt_length,), generator=generator).tolist()
+    datums = []
+    for _ in range(count):
+        if not shared:
+            prompt = torch.randint(10, 49000, (prompt_length,), generator=generator).tolist()
+        reply = torch.randint(10, 49000, (length + 1 - prompt_length,), generator=generator)
+        tokens = prompt + reply.tolist()
+        targets = [-100 if i < prompt_length - 1 else t for i, t in enumerate(tokens[1:])]
+        datums.append(Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": targets,
+                "logprobs": [-8.0 if t != -100 else 0.0 for t in targets],
+                "advantages": [0.5 if t != -100 else 0.0 for t in targets],
+            },
+        ))
+    return datums
+
+
+def full_logits_losses(
+    client: LocalTrainingClient, batch: Sequence[Any], loss_fn: str, config: dict[str, float]
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Today's learner pass: logits and log-softmax at every position (the baseline)."""
+    lengths = [len(s.model_input) for s in batch]
+    width = max(lengths)
+
+    def padded(rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((len(rows), width), fill, dtype=dtype)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+        return out
+
+    ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
+    mask = padded([[1] * n for n in lengths], 0, torch.long)
+    targets = padded([s.target_tokens for s in batch], -100, torch.long)
+    counted = targets != -100
+    inputs = {"logprobs": padded([s.logprobs for s in batch], 0.0, torch.float32),
+              "advantages": padded([s.advantages for s in batch], 0.0, torch.float32)}
+    logits = client.model(input_ids=ids, attention_mask=mask).logits.float()
+    picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    logprobs = torch.where(counted, picked - torch.logsumexp(logits, dim=-1), 0.0)
+    return token_losses(loss_fn, logprobs, inputs, counted, config), logprobs, lengths
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def learner_variant(variant: str, shared: bool) -> dict[str, Any]:
+    """One forward_backward in this process; peak = RSS high-water mark above the RSS before."""
+    with tempfile.TemporaryDirectory() as tmp:
+        service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1)
+        client = service.create_lora_training_client("smollm2", rank=32, seed=0)
+        if variant == "full":
+            client._losses = lambda batch, loss_fn, config: full_logits_losses(  # type: ignore[method-assign]
+                client, batch, loss_fn, config)
+        datums = learner_datums(shared)
+        before = _rss_kb("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+        start, start_cpu = time.perf_counter(), time.process_time()
+        metrics = client.forward_backward(datums, "importance_sampling").result().metrics
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+        peak = _rss_kb("VmHWM")
+        grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum()
+                                         for p in client.model.parameters() if p.grad is not None)))
+    return {"seconds": round(elapsed, 2), "cpu_seconds": round(cpu, 2),
+            "peak_mb": round((peak - before) / 1024, 1),
+            "loss_mean": metrics["loss_mean"], "token_count": metrics["token_count"],
+            "grad_norm": grad_norm, "load": load()}
+
+
+def bench_learner(repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"datums": 8, "tokens_per_datum": 300, "masked_fraction": 0.4}
+    for datums in ("unrelated", "grpo_group"):
+        runs: dict[str, list[dict[str, Any]]] = {"full": [], "skip": []}
+        for _ in range(repeats):
+            for variant in ("full", "skip"):  # alternated, so load drift hits both
+                command = [sys.executable, __file__, "--learner-variant", variant]
+                done = subprocess.run(
+                    command + (["--learner-shared"] if datums == "grpo_group" else []),
+                    check=True, capture_output=True, text=True,
+                    # Every allocation mmap'd: freed tensors leave the RSS at once, so the RSS
+                    # high-water mark is the peak of live memory, not of malloc's arenas.
+                    env=os.environ | {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"},
+                )
+                runs[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"learner {datums} {variant}: {runs[variant][-1]}", file=sys.stderr,
+                      flush=True)
+        best = {v: min(r["seconds"] for r in rs) for v, rs in runs.items()}
+        best_cpu = {v: min(r["cpu_seconds"] for r in rs) for v, rs in runs.items()}
+        peak = {v: min(r["peak_mb"] for r in rs) for v, rs in runs.items()}
+        full, skip = runs["full"][0], runs["skip"][0]
+        out[datums] = {
+            "runs": runs,
+            "speedup": round(best["full"] / best["skip"], 2),
+            "speedup_cpu_time": round(best_cpu["full"] / best_cpu["skip"], 2),
+            "peak_memory_ratio": round(peak["skip"] / peak["full"], 3),
+            "loss_rel_diff": abs(full["loss_mean"] - skip["loss_mean"]) / abs(full["loss_mean"]),
+            "grad_norm_rel_diff": abs(full["grad_norm"] - skip["grad_norm"]) / full["grad_norm"],
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- grpo
+def bench_grpo() -> dict[str, Any]:
+    from trainers.grpo import Args, train
+
+    shape = CPU_DEFAULTS
+    with tempfile.TemporaryDirectory() as tmp:
+        service = LocalServiceClient(checkpoint_dir=Path(tmp) / "ck", device="cpu", threads=1)
+        args = Args(env_id="agent_gym/GSM8K-v0", steps=1, batch_size=shape.batch_size,
+                    group_size=shape.group_size, max_tokens=shape.max_tokens,
+                    max_turns=shape.max_turns, out=str(Path(tmp) / "run"), progress=False)
+        start = time.perf_counter()
+        row = train(args, service)[0]
+        elapsed = time.perf_counter() - start
+    phases = {k: round(v, 1) for k, v in row.items() if k.startswith("time_")}
+    gpu_scale = StepShape(batch_size=8, group_size=8, max_tokens=512)
+    return {
+        "settings": {"batch_size": shape.batch_size, "group_size": shape.group_size,
+                     "max_tokens": shape.max_tokens, "max_turns": shape.max_turns},
+        "seconds_including_model_load": round(elapsed, 1),
+        "phases": phases,
+        "sampled_tokens": row["sampled_tokens"], "trained_tokens": row["trained_tokens"],
+        "reward_mean": row["reward_mean"], "degenerate_groups": row["degenerate_groups"],
+        "estimated_step_seconds": round(step_cost(shape), 1),
+        "estimated_gpu_scale_step_seconds (8x8x512)": round(step_cost(gpu_scale), 1),
+        "load_after": load(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/local_backend.json"))
+    parser.add_argument("--sections", default="rollouts,prefill,learner,grpo")
+    parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
+    parser.add_argument("--learner-repeats", type=int, default=2)
+    parser.add_argument("--learner-variant", choices=("full", "skip"), help=argparse.SUPPRESS)
+    parser.add_argument("--learner-shared", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.learner_variant:
+        print(json.dumps(learner_variant(args.learner_variant, args.learner_shared)))
+        return 0
+    sections: dict[str, Callable[[], dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1)
+        sections = {
+            "rollouts": lambda: bench_rollouts(service, args.max_tokens),
+            "prefill": lambda: bench_prefill(service),
+            "learner": lambda: bench_learner(args.learner_repeats),
+            "grpo": bench_grpo,
+        }
+        out_path = Path(args.out)
+        result: dict[str, Any] = (json.loads(out_path.read_text()) if out_path.is_file() else {})
+        result |= {"python": platform.python_version(), "torch": torch.__version__,
+                   "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                   "model": "SmolLM2-135M-Instruct (float32, LoRA r32 for the learner)"}
+        for name in args.sections.split(","):
+            uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            start = time.perf_counter()
+            figures = sections[name]()
+            figures |= {"uptime_at_start": uptime,
+                        "section_seconds": round(time.perf_counter() - start, 1)}
+            result[name] = figures
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+            out_path.write_text(json.dumps(result, indent=1) + "\n")  # after every section
+            print(json.dumps({name: figures}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The learner's position-skipping pass gives the loss and gradients of the full-logits pass."""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from pytrio import Datum, ModelInput
+
+from trainers.backends.local import (
+    MIN_SHARED_PREFIX,
+    LocalServiceClient,
+    LocalTrainingClient,
+    shared_prefixes,
+)
+from trainers.backends.losses import token_losses
+
+
+def datums(seed: int, count: int = 5, masked: float = 0.4) -> list[Datum]:
+    """Ragged datums with about ``masked`` of the positions masked (prompt-like runs)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        length = rng.randint(6, 20)
+        tokens = [rng.randrange(1, 4000) for _ in range(length + 1)]
+        prompt = max(1, round(length * masked))
+        targets = [-100 if i < prompt or rng.random() < 0.1 else t
+                   for i, t in enumerate(tokens[1:])]
+        out.append(Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": targets,
+                "logprobs": [rng.uniform(-9, -7) if t != -100 else 0.0 for t in targets],
+                "advantages": [rng.uniform(-1, 1) if t != -100 else 0.0 for t in targets],
+            },
+        ))
+    return out
+
+
+def full_pass(model: torch.nn.Module, batch: list[Datum], loss_fn: str) -> torch.Tensor:
+    """The reference: logits and log-softmax at every position, then the masked mean."""
+    total = torch.zeros(())
+    count = 0
+    for datum in batch:
+        ids = torch.tensor([datum.model_input.to_ints()])
+        inputs = datum.loss_fn_inputs
+        targets = torch.tensor(inputs["target_tokens"].data)
+        counted = targets != -100
+        logits = model(input_ids=ids).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(1, targets.clamp(min=0)[:, None])[:, 0]
+        logp = torch.where(counted, logp, 0.0)
+        tensors = {k: torch.tensor(inputs[k].data, dtype=torch.float32)
+                   for k in ("logprobs", "advantages")}
+        total = total + token_losses(loss_fn, logp, tensors, counted, {}).sum()
+        count += int(counted.sum())
+    return total / count
+
+
+@pytest.mark.parametrize(
+    ("kind", "loss_fn", "chunk"),
+    [("lora", "importance_sampling", 3), ("lora", "ppo", 512), ("full", "importance_sampling", 1)],
+)
+def test_position_skipping_matches_the_full_logits_pass(
+    tmp_path: Path, kind: str, loss_fn: str, chunk: int
+) -> None:
+    service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
+                                 logit_chunk=chunk)
+    client: LocalTrainingClient = (
+        service.create_lora_training_client("tiny:2", rank=4, seed=3) if kind == "lora"
+        else service.create_full_training_client("tiny:2")
+    )
+    if kind == "lora":  # LoRA B starts at zero; move it so every adapter has a gradient
+        with torch.no_grad():
+            for name, parameter in client.model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.05)
+    reference = copy.deepcopy(client.model)
+    batch = datums(seed=len(kind) + chunk)
+    counted = sum(sum(t != -100 for t in d.loss_fn_inputs["target_tokens"].data) for d in batch)
+    total = sum(len(d.model_input) for d in batch)
+    assert 0.3 < 1 - counted / total < 0.7  # a realistic share of masked positions
+
+    output = client.forward_backward(batch, loss_fn).result()
+    expected = full_pass(reference, batch, loss_fn)
+    expected.backward()
+    assert output.metrics["token_count"] == counted
+    assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5, abs=1e-6)
+    grads = dict(reference.named_parameters())
+    compared = 0
+    for name, parameter in client.model.named_parameters():
+        if not parameter.requires_grad:
+            continue
+        torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+        compared += 1
+    assert compared >= (8 if kind == "lora" else 10)
+    if kind == "lora":
+        assert any("lm_head" in n for n, p in client.model.named_parameters() if p.requires_grad)
+
+
+def group_datums(seed: int) -> list[Datum]:
+    """A GRPO-like batch: two groups whose branches share their (masked) prompt, a lone datum,
+    one whose reply is followed by masked observation tokens, and one with nothing counted."""
+    rng = random.Random(seed)
+    out = []
+
+    def datum(tokens: list[int], counted_from: int, counted_to: int | None = None) -> Datum:
+        end = len(tokens) - 1 if counted_to is None else counted_to
+        targets = [t if counted_from <= i < end else -100 for i, t in enumerate(tokens[1:])]
+        return Datum(
+            model_input=ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": targets,
+                "logprobs": [rng.uniform(-9, -7) if t != -100 else 0.0 for t in targets],
+                "advantages": [rng.uniform(-1, 1) if t != -100 else 0.0 for t in targets],
+            },
+        )
+
+    for branches, prompt_length in ((4, 20), (3, 17)):
+        prompt = [rng.randrange(1, 4000) for _ in range(prompt_length)]
+        for _ in range(branches):
+            reply = [rng.randrange(1, 4000) for _ in range(rng.randint(3, 12))]
+            out.append(datum(prompt + reply, prompt_length - 1))
+    out.append(datum([rng.randrange(1, 4000) for _ in range(15)], 5))
+    out.append(datum([rng.randrange(1, 4000) for _ in range(25)], 8, counted_to=14))
+    out.append(datum([rng.randrange(1, 4000) for _ in range(9)], 9))  # nothing counted
+    rng.shuffle(out)
+    return out
+
+
+def lead(datum: Datum) -> list[int] | None:
+    """The datum's tokens before its first counted position (None: nothing counted)."""
+    targets = datum.loss_fn_inputs["target_tokens"].data
+    first = next((i for i, t in enumerate(targets) if t != -100), None)
+    return None if first is None else datum.model_input.to_ints()[:first]
+
+
+def test_shared_prompts_are_computed_once_with_the_full_pass_gradient(tmp_path: Path) -> None:
+    service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
+                                 logit_chunk=7)
+    client = service.create_lora_training_client("tiny:4", rank=4, seed=1)
+    with torch.no_grad():
+        for name, parameter in client.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    reference = copy.deepcopy(client.model)
+    batch = group_datums(seed=0)
+    groups = shared_prefixes([lead(d) for d in batch], MIN_SHARED_PREFIX)
+    assert sorted((len(rows), prefix) for rows, prefix in groups) == [(2, 0), (3, 16), (4, 19)]
+
+    output = client.forward_backward(batch, "ppo").result()
+    expected = full_pass(reference, batch, "ppo")
+    expected.backward()
+    assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    grads = dict(reference.named_parameters())
+    for name, parameter in client.model.named_parameters():
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    for datum, out in zip(batch, output.loss_fn_outputs, strict=True):
+        assert len(out["logprobs"].data) == len(datum.model_input)
+
+
+def test_a_microbatch_with_nothing_counted_is_skipped(tmp_path: Path) -> None:
+    service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
+                                 microbatch_tokens=1)  # one datum per pass
+    client = service.create_full_training_client("tiny:2")
+    batch = group_datums(seed=1)
+    output = client.forward_backward(batch, "importance_sampling").result()
+    expected = full_pass(copy.deepcopy(client.model), batch, "importance_sampling")
+    assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5)
