@@ -213,7 +213,8 @@ def _eval(args: argparse.Namespace) -> int:
     runs: list[tuple[Summary, Path]] = []
     for policy_spec in policies:
         try:
-            policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens)
+            policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens,
+                                 device=args.device, threads=args.threads)
         except ValueError as err:
             raise UserError(str(err)) from err
         for entry in plan:
@@ -352,6 +353,14 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     evaluation.add_argument("--env-arg", type=_env_arg, action="append", default=[],
                             metavar="KEY=VALUE",
                             help="env constructor argument, VALUE as JSON (else a string)")
+    evaluation.add_argument(
+        "--device", default="auto",
+        help="where a local[...] policy runs: auto (CUDA when available, then MPS, else CPU), "
+        "cpu, cuda[:N] or mps")
+    evaluation.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads of a local[...] policy (default: the free cores, or "
+        "$AGENT_GYM_THREADS)")
     evaluation.add_argument("--quiet", action="store_true", help="no progress bar")
     evaluation.add_argument(
         "--ray", nargs="?", const="local", default=None, metavar="ADDRESS",

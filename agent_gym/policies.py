@@ -21,7 +21,8 @@ Specs for the command line:
 The sampler policies (``local``, ``pytrio``) need torch or the PyTRIO SDK, which this
 package does not depend on: another installed package supplies them under the
 ``agent_gym.policies`` entry-point group, one entry per spec prefix, each a callable
-``(spec, *, seed, max_tokens) -> Policy``. The bundled ``trainers`` package registers both.
+``(spec, *, seed, max_tokens, device, threads) -> Policy`` (``device`` and ``threads`` place
+a local model; remote samplers ignore them). The bundled ``trainers`` package registers both.
 """
 
 from __future__ import annotations
@@ -287,7 +288,10 @@ def plugin_policies() -> dict[str, PolicyBuilder]:
     return {point.name: point.load for point in entry_points(group=POLICY_ENTRY_POINTS)}
 
 
-def make_policy(spec: str, *, seed: int = 0, max_tokens: int = 256) -> Policy:
+def make_policy(
+    spec: str, *, seed: int = 0, max_tokens: int = 256, device: str = "auto",
+    threads: int | None = None,
+) -> Policy:
     """Build a policy from a command-line spec (see the module docstring)."""
     if spec == "oracle":
         return OraclePolicy()
@@ -307,6 +311,6 @@ def make_policy(spec: str, *, seed: int = 0, max_tokens: int = 256) -> Policy:
     prefix = spec.partition(":")[0]
     if prefix in plugins:
         builder = plugins[prefix]()
-        return builder(spec, seed=seed, max_tokens=max_tokens)
+        return builder(spec, seed=seed, max_tokens=max_tokens, device=device, threads=threads)
     known = ["oracle", "random", "openai:MODEL@URL", *(f"{name}[:MODEL]" for name in plugins)]
     raise ValueError(f"unknown policy {spec!r}; use one of: {', '.join(known)}")

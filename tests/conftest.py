@@ -29,6 +29,10 @@ import pytest
 
 import agent_gym  # noqa: F401
 
+# One torch thread per test process: the local backend's default takes the free cores, and
+# on a loaded 2-core machine two threads ran up to 13x slower than one.
+os.environ.setdefault("AGENT_GYM_THREADS", "1")
+
 NOBODY = 65534  # the uid sandboxes run as when the host is root
 LEFTOVER_GRACE = 10.0  # seconds for torn-down sandboxes to finish exiting
 _PR_SET_CHILD_SUBREAPER = 36

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 from pytrio import Datum
@@ -32,6 +33,7 @@ from trainers.run import (
     Metrics,
     RunArgs,
     ServiceClient,
+    device_defaults,
     final_line,
     open_run,
     option,
@@ -43,13 +45,21 @@ from trainers.run import parse_args as parse_run_args
 class Args(RunArgs):
     out: str = option("runs/grpo", OUT_HELP)
     steps: int = option(20, "training steps of the whole run")
-    group_size: int = option(8, "branches (episodes) per task; advantages are centred in it")
+    group_size: int | None = option(
+        None, "branches (episodes) per task; advantages are centred in it (default: 4 when the "
+        "local backend runs on CPU, else 8)")
     normalize_std: bool = option(False, "divide advantages by the group's reward std")
+
+    DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
+        **RunArgs.DEVICE_DEFAULTS, "group_size": (4, 8)}
 
     def problems(self) -> list[str]:
         return [*super().problems(),
                 *(["--steps and --group-size must be positive"]
-                  if min(self.steps, self.group_size) < 1 else [])]
+                  if min(self.steps, self.group_size or 1) < 1 else [])]
+
+    def branches_per_task(self) -> int:
+        return self.group_size or 1
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
@@ -59,6 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Args:
 def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     """Run (or resume) GRPO; returns this invocation's per-step metrics."""
     history: list[Metrics] = []
+    args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
         config = RolloutConfig(
             group_size=args.group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,

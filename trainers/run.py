@@ -221,14 +221,21 @@ class RunArgs:
     ray: str | None = option(
         None, "step the envs in Ray actors: a bare --ray starts a local Ray, ADDRESS joins a "
         "cluster (e.g. auto)")
-    # -- the local backend's device and thread options go here (they come with its rewrite)
-    batch_size: int = option(8, "groups (tasks) per step")
+    device: str = option(
+        "auto", "local backend: auto (CUDA when available, then MPS, else CPU), cpu, "
+        "cuda[:N] or mps")
+    threads: int | None = option(
+        None, "local backend: torch threads (default: the free cores, or $AGENT_GYM_THREADS)")
+    batch_size: int | None = option(
+        None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")
     grad_clip_norm: float = option(1.0, "gradient norm clip")
     loss: str = option("importance_sampling", "policy-gradient loss", LOSSES)
     ppo_clip: float = option(0.2, "with --loss ppo: clip ratios to 1 +- this")
     max_turns: int | None = option(None, "replies per episode (default: the env's own budget)")
-    max_tokens: int = option(512, "tokens per reply; a reply cut there ends its episode")
+    max_tokens: int | None = option(
+        None, "tokens per reply; a reply cut there ends its episode (default: 256 when the "
+        "local backend runs on CPU, else 512)")
     max_trajectory_tokens: int = option(4096, "tokens per episode, prompt included")
     temperature: float = option(1.0, "sampling temperature (must be 1: see the docs)")
     concurrency: int = option(8, "groups rolled out at once")
@@ -237,6 +244,11 @@ class RunArgs:
     out: str = option("runs/run", OUT_HELP)
     progress: bool = option(True, "show a progress bar")
 
+    # Defaults that depend on where the model runs: (on a CPU, elsewhere). On a CPU a step of
+    # the GPU-scale settings takes most of an hour (trainers.backends.runtime.step_cost).
+    DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
+        "batch_size": (2, 8), "max_tokens": (256, 512),
+    }
     # What a run is: a continued run may change anything else (it is reported), not these.
     IDENTITY: ClassVar[tuple[str, ...]] = ("env_id", "env_kwargs", "model", "lora_rank",
                                             "backend")
@@ -251,14 +263,42 @@ class RunArgs:
             (self.temperature != 1.0,
              "--temperature must be 1: the learner and compute_logprobs score the untempered "
              "policy, so importance ratios to tempered sampling logprobs would be biased"),
-            (min(self.batch_size, self.concurrency, self.max_tokens, self.save_every) < 1,
-             "--batch-size, --concurrency, --max-tokens and --save-every must be positive"),
+            (min(self.batch_size or 1, self.concurrency, self.max_tokens or 1,
+                 self.save_every, self.threads or 1) < 1,
+             "--batch-size, --concurrency, --max-tokens, --save-every and --threads must be "
+             "positive"),
             (self.max_turns is not None and self.max_turns < 1, "--max-turns must be positive"),
         ]
         return [message for failed, message in checks if failed]
 
+    def branches_per_task(self) -> int:
+        """Episodes rolled out per task in a step (a trainer with groups says how many)."""
+        return 1
+
 
 A = TypeVar("A", bound=RunArgs)
+
+
+def device_defaults(args: A) -> A:
+    """``args`` with the device-dependent defaults filled in (``DEVICE_DEFAULTS``), and a
+    warning naming the expected step cost when settings meant for a GPU meet a CPU."""
+    on_cpu = False
+    if args.backend == "local":
+        from trainers.backends import runtime
+
+        device = runtime.resolve_device(args.device)
+        on_cpu = device.type == "cpu"
+    filled = {name: pair[0] if on_cpu else pair[1] for name, pair in args.DEVICE_DEFAULTS.items()
+              if getattr(args, name) is None}
+    args = dataclasses.replace(args, **filled)
+    if on_cpu:
+        shape = runtime.StepShape(args.batch_size or 1, args.branches_per_task(),
+                                  args.max_tokens or 1, args.max_turns or 1)
+        threads = args.threads or runtime.default_threads()
+        warning = runtime.cpu_step_warning(device, shape, threads=threads)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+    return args
 
 
 class RunConfigError(ValueError):
@@ -552,7 +592,8 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     service = service or make_service(
-        args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key
+        args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key,
+        device=args.device, threads=args.threads,
     )
     training, resumed = _training_client(service, args, out / CHECKPOINT_FILE)
     _keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)

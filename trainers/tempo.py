@@ -62,6 +62,7 @@ from trainers.run import (
     RunConfigError,
     Sampler,
     ServiceClient,
+    device_defaults,
     final_line,
     open_run,
     option,
@@ -79,7 +80,8 @@ TERMINAL_ENDS = frozenset({"terminated", "truncated", "max_tokens"})
 @dataclass
 class Args(RunArgs):
     env_id: str = option("agent_gym/ALFWorld-v0", "the env to train on (see `agent-gym envs`)")
-    batch_size: int = option(4, "groups per update: tasks (warm-up), states or fresh tasks (TD)")
+    batch_size: int | None = option(
+        4, "groups per update: tasks (warm-up), states or fresh tasks (TD)")
     max_trajectory_tokens: int = option(12000, "tokens per episode, prompt included")
     out: str = option("runs/tempo", OUT_HELP)
     warmup_updates: int = option(4, "critic-only updates on Monte Carlo returns, first")
@@ -118,6 +120,9 @@ class Args(RunArgs):
             (self.is_cap < 1, "--is-cap must be at least 1"),
         ]
         return [*super().problems(), *(message for failed, message in checks if failed)]
+
+    def branches_per_task(self) -> int:
+        return self.branches
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
@@ -192,6 +197,7 @@ class Batch:
 def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     """Run (or resume) TEMPO; returns this invocation's per-update metrics."""
     history: list[Metrics] = []
+    args = device_defaults(args)
     with open_run(args, args.warmup_updates + args.td_updates, service) as run:
         # ---- the state store: empty, or the one saved with the checkpoint resumed from
         store = StateStore(args.store_capacity, args.staleness)

@@ -206,7 +206,7 @@ def test_steps_that_train_nothing_are_shown_and_explained(
     from trainers.run import IDLE_WARNING, final_line
 
     row = {"datums": 0, "cut_rate": 0.83, "reward_std": 0.0, "reward_mean": 0.0}
-    with open_run(toy(model, tmp_path, save_every=100), 5) as run:
+    with open_run(toy(model, tmp_path, save_every=100, max_tokens=512), 5) as run:
         for step in run.progress():
             run.finish(step, {"step": step, **row})
     err = capsys.readouterr().err
@@ -216,3 +216,21 @@ def test_steps_that_train_nothing_are_shown_and_explained(
     assert "every episode earned the same reward" in err
     line = json.loads(final_line([{"step": 4, **row}], tmp_path))
     assert line["steps_that_trained_nothing"] == 1 and "warning" in line
+
+
+def test_defaults_follow_the_device_and_gpu_scale_settings_on_a_cpu_are_warned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from trainers import grpo
+    from trainers.run import device_defaults
+
+    on_cpu = device_defaults(grpo.Args(device="cpu"))
+    assert (on_cpu.batch_size, on_cpu.group_size, on_cpu.max_tokens) == (2, 4, 256)
+    assert capsys.readouterr().err == ""  # the CPU defaults need no warning
+    remote = device_defaults(grpo.Args(backend="pytrio"))
+    assert (remote.batch_size, remote.group_size, remote.max_tokens) == (8, 8, 512)
+    asked = device_defaults(grpo.Args(device="cpu", batch_size=8, group_size=8, max_tokens=512,
+                                      threads=1))
+    assert (asked.batch_size, asked.group_size, asked.max_tokens) == (8, 8, 512)
+    warning = capsys.readouterr().err
+    assert "GPU-scale" in warning and "min" in warning and "--batch-size 2" in warning
