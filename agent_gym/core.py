@@ -284,6 +284,10 @@ class TextEnv(gymnasium.Env[str, str]):
         return len(self._actions)
 
     @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    @property
     def task(self) -> Task:
         if self._task is None:
             raise RuntimeError("call reset() before using the environment")
@@ -541,12 +545,15 @@ class OutcomeEnv(TextEnv):
 
 
 def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> tuple[int, int]:
-    """``(number of tasks, max turns)`` of an agent_gym env, read from a local instance."""
+    """``(number of tasks, max turns)`` of an agent_gym env (a ``TextEnv`` here, or a remote
+    one that reports both), read from an instance."""
     env = gymnasium.make(env_id, **env_kwargs)
     try:
-        if not isinstance(env.unwrapped, TextEnv):
-            raise ValueError(f"{env_id} is not an agent_gym TextEnv")
-        return len(env.unwrapped.tasks), env.unwrapped.max_turns
+        num_tasks = getattr(env.unwrapped, "num_tasks", None)
+        max_turns = getattr(env.unwrapped, "max_turns", None)
+        if not (isinstance(num_tasks, int) and isinstance(max_turns, int)):
+            raise ValueError(f"{env_id} is not an agent_gym env: it reports no tasks and turns")
+        return num_tasks, max_turns
     finally:
         env.close()
 

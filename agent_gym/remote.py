@@ -120,6 +120,16 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
         return (observation["text"], float(payload["reward"] or 0.0), observation["terminated"],
                 observation["truncated"], observation["info"])
 
+    @property
+    def num_tasks(self) -> int:
+        """Tasks of the served env (``describe_env`` and eval read it)."""
+        return int(self._call("state")["num_tasks"])
+
+    @property
+    def max_turns(self) -> int:
+        """Replies an episode of the served env may take."""
+        return int(self._call("state")["max_turns"])
+
     def save_state(self) -> EnvState:
         """The server-side episode's state; restorable here, on the server, or locally."""
         state = self._call("state")["env_state"]

@@ -107,6 +107,9 @@ STATE_SCHEMA: dict[str, Any] = {
         "step_count": {"type": "integer", "minimum": 0},
         "env_state": {"type": ["object", "null"], "description": "agent_gym EnvState: pass "
                       "it as reset's 'state' to restore this point of the episode"},
+        "num_tasks": {"type": "integer", "minimum": 1, "description": "tasks the env holds"},
+        "max_turns": {"type": "integer", "minimum": 1, "description": "replies an episode "
+                      "may take"},
     },
 }
 
@@ -302,6 +305,9 @@ class SessionPool:
             "episode_id": session.episode_id,
             "step_count": session.step_count,
             "env_state": None if env_state is None else json.loads(env_state.to_json()),
+            # What a client needs to plan episodes (eval's task order, a trainer's turns).
+            "num_tasks": session.env.unwrapped.num_tasks,
+            "max_turns": session.env.unwrapped.max_turns,
         }
 
     def _check_open(self, session: Session) -> None:

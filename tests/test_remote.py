@@ -105,3 +105,22 @@ def test_remote_errors(search_url: str) -> None:
         assert env.step("hello")[4]["turn"] == 1  # the session survived the errors
     finally:
         env.close()
+
+
+def test_eval_runs_on_a_served_env_as_on_a_local_one(search_url: str, tmp_path: Any) -> None:
+    """`agent-gym eval agent_gym/Remote-v0 --env-arg url=...`: same episodes, same scores."""
+    import json
+
+    from agent_gym.cli import main
+
+    remote_out, local_out = tmp_path / "remote", tmp_path / "local"
+    assert main(["eval", "agent_gym/Remote-v0", "--env-arg", f"url={search_url}",
+                 "--episodes", "3", "--quiet", "--out", str(remote_out)]) == 0
+    assert main(["eval", "agent_gym/Search-v0", "--env-arg", "max_turns=5", "--episodes", "3",
+                 "--quiet", "--out", str(local_out)]) == 0
+
+    def scores(run: Any) -> list[tuple]:
+        rows = [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+        return sorted((r["episode"], r["task_id"], r["reward"], r["turns"]) for r in rows)
+
+    assert scores(remote_out) == scores(local_out)

@@ -179,8 +179,9 @@ def test_malformed_frames_get_error_frames_and_the_session_goes_on(gsm8k: str) -
                 assert reply["data"]["code"] == code, (raw, reply)
                 assert reply["data"]["message"]
             state = await ask(frame("state"))
-            assert state == {"type": "state", "data": {"episode_id": None, "step_count": 0,
-                                                       "env_state": None}}
+            assert state == {"type": "state", "data": {
+                "episode_id": None, "step_count": 0, "env_state": None, "num_tasks": 54,
+                "max_turns": 2}}
             reset = await ask(frame("reset", {"index": 2}))
             assert reset["type"] == "observation" and not reset["data"]["done"]
             step = await ask(frame("step", {"text": "The answer is \\boxed{1}."}))
