@@ -56,7 +56,8 @@ class Args(RunArgs):
     def problems(self) -> list[str]:
         return [*super().problems(),
                 *(["--steps and --group-size must be positive"]
-                  if min(self.steps, self.group_size or 1) < 1 else [])]
+                  if min(self.steps, 1 if self.group_size is None else self.group_size) < 1
+                  else [])]
 
     def branches_per_task(self) -> int:
         return self.group_size or 1

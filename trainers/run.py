@@ -263,8 +263,8 @@ class RunArgs:
             (self.temperature != 1.0,
              "--temperature must be 1: the learner and compute_logprobs score the untempered "
              "policy, so importance ratios to tempered sampling logprobs would be biased"),
-            (min(self.batch_size or 1, self.concurrency, self.max_tokens or 1,
-                 self.save_every, self.threads or 1) < 1,
+            (min(_given(self.batch_size), self.concurrency, _given(self.max_tokens),
+                 self.save_every, _given(self.threads)) < 1,
              "--batch-size, --concurrency, --max-tokens, --save-every and --threads must be "
              "positive"),
             (self.max_turns is not None and self.max_turns < 1, "--max-turns must be positive"),
@@ -277,6 +277,11 @@ class RunArgs:
 
 
 A = TypeVar("A", bound=RunArgs)
+
+
+def _given(value: int | None) -> int:
+    """A count to check, or 1 (passes) when it is left to its device default."""
+    return 1 if value is None else value
 
 
 def device_defaults(args: A) -> A:

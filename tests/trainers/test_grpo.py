@@ -91,7 +91,9 @@ def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
 
     straight = train(parse_args([*argv, "--out", str(tmp_path / "straight")]))
     assert [row["reward_mean"] for row in rows] == [row["reward_mean"] for row in straight]
-    assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in straight])
+    # Losses of near-degenerate steps sit at float noise (1e-8): compare them absolutely.
+    assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in straight],
+                                                           abs=1e-6)
 
 
 def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(

@@ -22,8 +22,9 @@ def titles(figure: Figure) -> list[str]:
 
 def test_a_grpo_run_gets_a_panel_for_every_metric_it_logged(tmp_path: Path) -> None:
     model = grpo_toy.save_tiny_model(tmp_path / "model")
-    train(Args(env_id=grpo_toy.ENV_ID, model=model, lora_rank=0, steps=2, batch_size=2,
-               group_size=4, learning_rate=1e-2, max_tokens=4, max_trajectory_tokens=64,
+    # Groups big enough that a step has a signal, so loss and grad norm are logged too.
+    train(Args(env_id=grpo_toy.ENV_ID, model=model, lora_rank=0, steps=2, batch_size=4,
+               group_size=8, learning_rate=1e-2, max_tokens=4, max_trajectory_tokens=64,
                out=str(tmp_path / "run"), progress=False))
     rows = read_metrics(tmp_path / "run" / METRICS_FILE)
     shown = titles(draw(rows))
