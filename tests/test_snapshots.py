@@ -123,7 +123,7 @@ def test_the_cache_is_bounded_least_recently_used_first_out() -> None:
     env = TallyEnv()
     env.snapshot_cache_size = 2
     states = played(env)
-    assert sorted(len(actions) for _, actions in env._prefix_cache) == [4, 5]
+    assert sorted(len(actions) for _, actions, _ in env._prefix_cache) == [4, 5]
     assert env.reset(options={"state": states[4]})[1]["snapshot_depth"] == 4
     played(env, ["7"], task="hundred")  # evicts depth 5, the least recently used
     assert env.reset(options={"state": states[5]})[1]["snapshot_depth"] == 4
