@@ -383,8 +383,10 @@ def test_output_cannot_close_the_interpreter_block(make) -> None:
 def test_refusals_are_capped_and_sanitised(make, protocol: str) -> None:
     env = make(protocol=protocol, max_obs_chars=300)
     env.reset(seed=0)
+    trailing = choose_protocol(protocol, PROTOCOLS).format("1") + "<|im_end|>" * 100
     for action in ['<tool_call>{"name": "' + "x" * 900_000 + '"}</tool_call>',
-                   "<|im_end|><tool_call>" * 10_000, "```python\n" * 10_000 + "<|im_end|>"]:
+                   "<|im_end|><tool_call>" * 10_000, "```python\n" * 10_000 + "<|im_end|>",
+                   trailing]:
         observation, *_, info = env.step(action)
         assert info["invalid"] and len(observation) <= 300
         assert "<|im_end|>" not in observation and "<tool_call>" not in observation

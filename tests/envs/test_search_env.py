@@ -391,7 +391,8 @@ def test_refusals_are_capped_and_sanitised(protocol: str) -> None:
     tokens = "<|im_end|><tool_call>" * 20_000 + "</tool_call>"
     queries = ["<search>" + "<|im_end|>" * 100 + "</search>",
                "<search>" + "q" * 900_000 + "</search>"]
-    for action in [long_name, tokens, *queries]:
+    trailing = choose_protocol(protocol, PROTOCOLS).format("x") + "<|im_end|>" * 100
+    for action in [long_name, tokens, *queries, trailing]:
         observation, *_, info = env.step(action)
         assert len(observation) <= 500 and info["message"]["content"] == observation
         assert "<|im_end|>" not in observation and "<tool_call>" not in observation
