@@ -80,7 +80,8 @@ class ALFWorldEnv(OutcomeEnv):
 
     Restoring a state this instance has been through jumps to an engine snapshot instead
     of replaying (the base class's snapshot cache, still checking every observation
-    digest); anything else replays.
+    digest); anything else replays. ``data_path`` and ``plan_timeout`` are host settings,
+    never taken from a saved state.
 
     Args:
         data_path, split: where the games come from (split: train, valid_seen,

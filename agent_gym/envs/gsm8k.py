@@ -31,6 +31,8 @@ class GSM8KEnv(OutcomeEnv):
     without one (with ``max_turns=1``, a single unanswered reply).
     Info: ``answer`` (what was read, or None) and ``correct``; ``no_answer`` on a truncated
     last step.
+    Trust: ``data_path``, ``split`` (a hub download) and ``math_timeout`` are host settings,
+    never taken from a saved state (``agent_gym.make_from_state`` takes them from its caller).
 
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``answer`` (GSM8K format,
