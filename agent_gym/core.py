@@ -459,7 +459,7 @@ class TextEnv(gymnasium.Env[str, str]):
         if not self._prefix_cache:
             return ()
         for depth in range(len(state.actions), 0, -1):
-            faults = state.prefix(depth).faults
+            faults = tuple(fault for fault in state.faults if fault[0] <= depth)
             key = (state.task_id, state.actions[:depth], faults)
             prefix = self._prefix_cache.get(key)
             if prefix is None:
