@@ -11,11 +11,22 @@ from __future__ import annotations
 from typing import Any
 
 import gymnasium
+from gymnasium.envs.registration import load_env_creator
 
-from agent_gym.core import Opening, Task, TextEnv, Transition, UnicodeText
+from agent_gym.core import (
+    REWARD_SETTINGS,
+    BackendFailure,
+    Opening,
+    Task,
+    TextEnv,
+    Transition,
+    UnicodeText,
+    _json_kwargs,
+)
 from agent_gym.state import EnvState, StateError, StateMismatchError
 
 __all__ = [
+    "BackendFailure",
     "EnvState",
     "Opening",
     "StateError",
@@ -28,6 +39,10 @@ __all__ = [
 ]
 
 # No max_episode_steps: each env counts its own turns, which stays right after a restore.
+# No Gymnasium env checker: its PassiveEnvChecker marks its first reset as checked before
+# the reset returns, so a first reset that raises (a state that fails to restore, an unknown
+# task id) left it without the data its first step compares against, and every later step
+# crashed. Each env is checked with gymnasium's check_env in the test suite instead.
 _ENTRY_POINTS = {
     "agent_gym/GSM8K-v0": "agent_gym.envs.gsm8k:GSM8KEnv",
     "agent_gym/CodeInterpreter-v0": "agent_gym.envs.code:CodeInterpreterEnv",
@@ -39,13 +54,44 @@ _ENTRY_POINTS = {
 }
 for _env_id, _entry_point in _ENTRY_POINTS.items():
     if _env_id not in gymnasium.registry:
-        gymnasium.register(id=_env_id, entry_point=_entry_point, disable_env_checker=False)
+        gymnasium.register(id=_env_id, entry_point=_entry_point, disable_env_checker=True)
 
 
-def make_from_state(state: EnvState | str, **make_kwargs: Any) -> tuple[gymnasium.Env, str, dict]:
-    """Build the env a state was saved from and restore it: ``(env, observation, info)``."""
+def make_from_state(
+    state: EnvState | str, **host_kwargs: Any
+) -> tuple[gymnasium.Env, str, dict[str, Any]]:
+    """Build the env a state was saved from and restore it: ``(env, observation, info)``.
+
+    A state is data from wherever it was saved, so it never decides what this host does:
+    the env's ``host_settings`` (sandbox isolation and limits, network endpoints, host
+    paths, time budgets) come from ``host_kwargs`` or the env's defaults, never from the
+    state. Every other setting is the state's; a ``host_kwargs`` entry that contradicts one
+    is refused by the restore. ``info["reward_settings"]`` reports the reward settings the
+    env now scores with and ``info["host_settings_not_taken"]`` the host settings the state
+    named that were not used (so a restore that failed for want of them can be explained).
+    """
     if isinstance(state, str):
         state = EnvState.from_json(state)
-    env = gymnasium.make(state.env_id, **state.env_kwargs, **make_kwargs)
-    observation, info = env.reset(options={"state": state})
+    if state.env_id not in gymnasium.registry:
+        raise StateError(f"the state belongs to {state.env_id!r}, which is not a registered env")
+    spec = gymnasium.spec(state.env_id)
+    env_class = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else None
+    host = getattr(env_class, "host_settings", frozenset())
+    kwargs = {k: v for k, v in state.env_kwargs.items() if k not in host}
+    env = gymnasium.make(state.env_id, **{**kwargs, **host_kwargs})
+    used = _json_kwargs(state.env_id, env.unwrapped._env_kwargs)
+    ignored = {k: v for k, v in state.env_kwargs.items() if k in host and used.get(k) != v}
+    try:
+        observation, info = env.reset(options={"state": state})
+    except BaseException as err:
+        env.close()
+        if ignored and isinstance(err, StateError):
+            err.add_note(
+                f"The state was saved with the host settings {ignored}, which are never taken "
+                "from a state: pass the ones you trust to make_from_state (agent-gym replay: "
+                "--env-arg KEY=VALUE)."
+            )
+        raise
+    info["reward_settings"] = {k: used[k] for k in REWARD_SETTINGS if k in used}
+    info["host_settings_not_taken"] = ignored
     return env, observation, info

@@ -94,9 +94,16 @@ def _list_envs(_: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    """Restore a state; host settings (sandbox, network, paths) come from --env-arg only."""
     state = _read_state(Path(args.state), args.episode)
-    env, observation, info = agent_gym.make_from_state(state)
-    print(json.dumps({"turn": info["turn"], "observation": observation}, ensure_ascii=False))
+    try:
+        env, observation, info = agent_gym.make_from_state(state, **dict(args.env_arg))
+    except StateError as err:  # one line, with make_from_state's note on host settings
+        raise UserError(" ".join([str(err), *getattr(err, "__notes__", ())])) from err
+    print(json.dumps({"turn": info["turn"], "observation": observation,
+                      "reward_settings": info["reward_settings"],
+                      "host_settings_not_taken": info["host_settings_not_taken"]},
+                     ensure_ascii=False))
     env.close()
     return 0
 
@@ -326,6 +333,10 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     )
     replay.add_argument("--episode", type=int, default=None, metavar="N",
                         help="with an episodes.jsonl: replay the final state of episode N")
+    replay.add_argument("--env-arg", type=_env_arg, action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="repeatable; a host setting (isolation, limits, url, paths) to "
+                        "build the env with: a state never chooses these itself")
     replay.set_defaults(run=_replay)
 
     evaluation = commands.add_parser(

@@ -8,7 +8,22 @@ checking each observation. It also owns the rules every env shares, so envs cann
 apart on them: an invalid step earns ``-invalid_penalty``; running out of turns truncates the
 episode (never terminates it), and an env with right/wrong outcomes (``OutcomeEnv``) scores
 that as ``reward_incorrect``; an env whose engine can snapshot itself cheaply restores from a
-bounded cache of snapshots instead of replaying, still checking every observation.
+bounded cache of snapshots instead of replaying, still checking every observation. Every
+observation a step returns -- tool output, answers, refusals -- is sanitised of chat-template
+control tokens and capped at ``max_obs_chars`` here, so no env can forget to.
+
+Backends outside the process (a search service, the code sandbox) can fail for reasons that
+have nothing to do with the episode. An env makes such calls through ``_outside``: a
+transient failure is recorded with the episode and saved in its state, and a restore
+reproduces it at the same step instead of calling the backend, which may have recovered by
+then. What the episode saw is what the restore sees.
+
+States are data that travel between processes and machines, so they never decide what the
+host does: the settings an env lists in ``host_settings`` (sandbox isolation and limits,
+network endpoints, host paths, time budgets) are the caller's alone.
+``agent_gym.make_from_state`` takes them from its caller, never from the state, and a
+restore does not compare them.
+
 Subclasses only describe their task: how an episode opens (``_start``), what one action
 does (``_step``) and, optionally, how to snapshot (``_snapshot``, ``_restore_snapshot``).
 """
@@ -23,19 +38,42 @@ import multiprocessing
 import os
 import string
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import gymnasium
 import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import shared_memory
 
-from agent_gym.state import EnvState, StateError, StateMismatchError, digest
+from agent_gym.state import (
+    MAX_FAULT_CHARS,
+    EnvState,
+    StateError,
+    StateMismatchError,
+    decode_rng,
+    digest,
+    encode_rng,
+)
+from agent_gym.tools import sanitize_tool_output
 
 MAX_OBSERVATION_CHARS = 1_000_000
 MAX_ACTION_CHARS = 1_000_000
+DEFAULT_MAX_OBS_CHARS = 16_000  # for envs without a max_obs_chars setting of their own
+# The settings that say how an episode is scored: make_from_state reports them in its info
+# when a state chose them.
+REWARD_SETTINGS = ("reward_correct", "reward_incorrect", "invalid_penalty")
+T = TypeVar("T")
+
+
+class BackendFailure(Exception):
+    """A backend outside the episode failed transiently (``TextEnv._outside``); ``message``
+    says how, exactly as the episode saw it, whether it happened now or was recorded."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class UnicodeText(spaces.Text):
@@ -145,6 +183,10 @@ class Transition:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+# (task id, the actions so far, the backend failures among them)
+_PrefixKey = tuple[str, tuple[str, ...], tuple[tuple[int, str], ...]]
+
+
 @dataclass(frozen=True)
 class _Prefix:
     """A point this env reached: its engine snapshot there and every transition on the way
@@ -172,10 +214,15 @@ class TextEnv(gymnasium.Env[str, str]):
     through the same bookkeeping and digest check as replayed ones, so a state whose
     observations differ still fails at the step that differs. The restore's info says how
     many steps a snapshot skipped (``snapshot_depth``) out of ``restored_depth``.
+
+    ``host_settings`` names the constructor arguments that decide what the host does rather
+    than what the episode is -- sandbox isolation and resource limits, network endpoints,
+    paths on the host, time budgets: a state never chooses them (see the module docstring).
     """
 
     env_id: ClassVar[str] = ""
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "render_fps": 1}
+    host_settings: ClassVar[frozenset[str]] = frozenset()
     snapshot_cache_size: int = 1024  # snapshots kept per env instance
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -217,12 +264,18 @@ class TextEnv(gymnasium.Env[str, str]):
         max_turns: int,
         invalid_penalty: float = 0.0,
         max_action_chars: int = MAX_ACTION_CHARS,
+        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
         render_mode: str | None = None,
     ) -> None:
         if not tasks:
             raise ValueError(f"{type(self).__name__} was given no tasks")
         if max_turns < 1:
             raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        if not 100 <= max_obs_chars <= MAX_OBSERVATION_CHARS:
+            raise ValueError(
+                f"max_obs_chars must be between 100 and {MAX_OBSERVATION_CHARS}, got "
+                f"{max_obs_chars}"
+            )
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.tasks = list(tasks)
@@ -232,6 +285,7 @@ class TextEnv(gymnasium.Env[str, str]):
         self.max_turns = max_turns
         self.invalid_penalty = invalid_penalty
         self.max_action_chars = max_action_chars
+        self.max_obs_chars = max_obs_chars
         self.render_mode = render_mode
         self.__dict__.setdefault("_env_kwargs", {})
         self.observation_space = UnicodeText(MAX_OBSERVATION_CHARS)
@@ -243,7 +297,12 @@ class TextEnv(gymnasium.Env[str, str]):
         self._transcript: list[str] = []
         self._path: list[Transition] = []  # this episode's transitions as _step gave them
         self._done = False
-        self._prefix_cache: OrderedDict[tuple[str, tuple[str, ...]], _Prefix] = OrderedDict()
+        self._closed = False
+        self._rng: str | None = None  # the generator right after this episode's reset
+        self._faults: dict[int, str] = {}  # step -> the backend failure it saw
+        self._recorded: dict[int, str] = {}  # failures a restore has yet to reproduce
+        self._outside_step = 0  # the last step that called a backend
+        self._prefix_cache: OrderedDict[_PrefixKey, _Prefix] = OrderedDict()
 
     # ----------------------------------------------------------------- subclass hooks
     def _start(self, task: Task) -> Opening:
@@ -278,6 +337,31 @@ class TextEnv(gymnasium.Env[str, str]):
         (say, the engine has loaded another game since), and the base replays instead."""
         return False
 
+    def _outside(
+        self, call: Callable[[], T], transient: type[Exception] | tuple[type[Exception], ...]
+    ) -> T:
+        """Call a backend outside the episode (a search, a sandbox run) from ``_step``.
+
+        Returns what ``call`` returns. When it raises one of the ``transient`` errors, the
+        failure is recorded for this step (and saved in the state) and ``BackendFailure``
+        carries its message; the env turns that into an observation. Restoring a state
+        raises the recorded ``BackendFailure`` at the same step without calling at all, so
+        the restore sees what the episode saw even if the backend has recovered since.
+        A step calls at most one backend: the record is per step.
+        """
+        step = self.turn + 1
+        if self._outside_step == step:
+            raise RuntimeError(f"{type(self).__name__} called a backend twice in one step")
+        self._outside_step = step
+        if step in self._recorded:
+            message = self._faults[step] = self._recorded.pop(step)
+            raise BackendFailure(message)
+        try:
+            return call()
+        except transient as err:
+            message = self._faults[step] = str(err)[:MAX_FAULT_CHARS]
+            raise BackendFailure(message) from err
+
     # ----------------------------------------------------------------- gymnasium API
     @property
     def turn(self) -> int:
@@ -296,6 +380,7 @@ class TextEnv(gymnasium.Env[str, str]):
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[str, dict[str, Any]]:
+        self._require_open()
         options = dict(options or {})
         state = options.pop("state", None)
         if state is not None:
@@ -304,10 +389,14 @@ class TextEnv(gymnasium.Env[str, str]):
             return self._restore(state)
         super().reset(seed=seed)
         self._seed = seed
-        opening = self._begin(self._choose_task(options))
+        task = self._choose_task(options)
+        self._rng = encode_rng(self.np_random)  # after the draw that chose the task
+        self._recorded = {}
+        opening = self._begin(task)
         return opening.observation, self._opening_info(opening)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        self._require_open()
         if self._task is None:
             raise RuntimeError("call reset() before step()")
         if self._done:
@@ -341,7 +430,9 @@ class TextEnv(gymnasium.Env[str, str]):
         truncated = not result.terminated and self.turn + 1 >= self.max_turns
         if truncated:
             result = self._out_of_turns(result)
-        observation = result.observation[:MAX_OBSERVATION_CHARS]  # inside observation_space
+        # Refusals quote the model and tool output is anything: neither may carry a turn
+        # boundary into the chat or outgrow the budget (max_obs_chars <= the space's limit).
+        observation = sanitize_tool_output(result.observation, self.max_obs_chars)
         reward = float(result.reward) - (self.invalid_penalty if result.invalid else 0.0)
         self._actions.append(action)
         self._digests.append(digest(observation))
@@ -360,7 +451,7 @@ class TextEnv(gymnasium.Env[str, str]):
         snapshot = self._snapshot()
         if snapshot is None or self.snapshot_cache_size < 1:
             return
-        key = (self.task.task_id, tuple(self._actions))
+        key = (self.task.task_id, tuple(self._actions), tuple(sorted(self._faults.items())))
         self._prefix_cache[key] = _Prefix(snapshot, tuple(self._path))
         self._prefix_cache.move_to_end(key)
         while len(self._prefix_cache) > self.snapshot_cache_size:
@@ -372,7 +463,8 @@ class TextEnv(gymnasium.Env[str, str]):
         if not self._prefix_cache:
             return ()
         for depth in range(len(state.actions), 0, -1):
-            key = (state.task_id, state.actions[:depth])
+            faults = tuple(fault for fault in state.faults if fault[0] <= depth)
+            key = (state.task_id, state.actions[:depth], faults)
             prefix = self._prefix_cache.get(key)
             if prefix is None:
                 continue
@@ -380,6 +472,9 @@ class TextEnv(gymnasium.Env[str, str]):
                 del self._prefix_cache[key]  # stale: a shallower one may still be good
                 continue
             self._prefix_cache.move_to_end(key)
+            for step, message in faults:  # the cached transitions reproduce these failures
+                self._faults[step] = message
+                del self._recorded[step]
             return prefix.transitions
         return ()
 
@@ -389,8 +484,17 @@ class TextEnv(gymnasium.Env[str, str]):
         return "\n---\n".join(self._transcript)
 
     def close(self) -> None:
+        """Release the env's backends; idempotent. A closed env refuses reset and step."""
+        if self._closed:
+            return
+        self._closed = True
         self._close()
         super().close()
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {self.env_id or type(self).__name__} env is closed; make a "
+                               "new one")
 
     # ----------------------------------------------------------------- save / restore
     def save_state(self) -> EnvState:
@@ -404,6 +508,8 @@ class TextEnv(gymnasium.Env[str, str]):
             seed=self._seed,
             actions=tuple(self._actions),
             digests=tuple(self._digests),
+            faults=tuple(sorted(self._faults.items())),
+            rng=self._rng,
         )
 
     def _restore(self, state: EnvState | str | Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -415,16 +521,21 @@ class TextEnv(gymnasium.Env[str, str]):
             raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
         if state.env_id != self.env_id:
             raise StateError(f"state belongs to {state.env_id!r}, this env is {self.env_id!r}")
-        own_kwargs = _json_kwargs(self.env_id, self._env_kwargs)
-        if state.env_kwargs != own_kwargs:
+        saved = self.episode_settings(state.env_kwargs)
+        own = self.episode_settings(_json_kwargs(self.env_id, self._env_kwargs))
+        if saved != own:
             raise StateError(
-                f"state was saved from {self.env_id} built with {state.env_kwargs}, this one was "
-                f"built with {own_kwargs}; use agent_gym.make_from_state(state)"
+                f"state was saved from {self.env_id} with the settings {saved}, this one has "
+                f"{own}; use agent_gym.make_from_state(state)"
             )
         if state.task_id not in self._task_index:
             raise StateError(f"task {state.task_id!r} of the saved state is not in this env's data")
         super().reset(seed=state.seed)
+        if state.rng is not None:  # as the original was after its reset; seed stays the same
+            self._np_random = decode_rng(state.rng)
         self._seed = state.seed
+        self._rng = state.rng or encode_rng(self.np_random)
+        self._recorded = dict(state.faults)
         try:
             return self._replay(state)
         except BaseException:
@@ -448,6 +559,11 @@ class TextEnv(gymnasium.Env[str, str]):
                 observation, _, _, _, info = self._advance(action, ahead[step_index - 1])
             else:
                 observation, _, _, _, info = self.step(action)
+            if step_index in self._recorded:
+                raise StateError(
+                    f"the state records a backend failure at step {step_index}, but replaying "
+                    "that step called no backend"
+                )
             self._check(step_index, state.digests[step_index], observation)
             history += [{"role": "assistant", "content": action}, info["message"]]
         restored = self._opening_info(opening)
@@ -484,10 +600,16 @@ class TextEnv(gymnasium.Env[str, str]):
             return self.tasks[int(index)]
         return self.tasks[int(self.np_random.integers(len(self.tasks)))]
 
+    def episode_settings(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The settings of ``kwargs`` that define an episode: all but ``host_settings``."""
+        return {k: v for k, v in kwargs.items() if k not in self.host_settings}
+
     def _begin(self, task: Task) -> Opening:
         self._task = task
         self._actions = []
         self._path = []
+        self._faults = {}
+        self._outside_step = 0
         self._done = False
         opening = self._start(task)
         self._digests = [digest(opening.observation)]
@@ -523,6 +645,7 @@ class OutcomeEnv(TextEnv):
         reward_incorrect: float = 0.0,
         invalid_penalty: float = 0.0,
         max_action_chars: int = MAX_ACTION_CHARS,
+        max_obs_chars: int = DEFAULT_MAX_OBS_CHARS,
         render_mode: str | None = None,
     ) -> None:
         super().__init__(
@@ -530,6 +653,7 @@ class OutcomeEnv(TextEnv):
             max_turns=max_turns,
             invalid_penalty=invalid_penalty,
             max_action_chars=max_action_chars,
+            max_obs_chars=max_obs_chars,
             render_mode=render_mode,
         )
         self.reward_correct = reward_correct

@@ -16,6 +16,7 @@ returns as the observation of an invalid step.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,6 +108,17 @@ def _after(preface: str, call: str) -> str:
     return f"{preface}\n{call}" if preface else call
 
 
+def _neutralised(output: str, tag: str) -> str:
+    """``output`` with each ``<tag>`` or ``</tag>`` in it (any case) shown as ``‹/tag›``.
+
+    The output travels between those very tags, so a passage or a program that printed
+    ``</information>`` would otherwise end its block early and could forge what follows
+    as the env's own text. One regex pass, linear in the output.
+    """
+    pattern = re.compile(rf"<(/?{re.escape(tag)}\s*)>", re.IGNORECASE)
+    return pattern.sub(lambda m: f"\u2039{m.group(1)}\u203a", output)
+
+
 @dataclass(frozen=True)
 class ToolCallProtocol(ActionProtocol):
     """A function call in the Hermes/Qwen JSON form or the Qwen3 XML form (both parsed by
@@ -173,7 +185,7 @@ class TagProtocol(ActionProtocol):
         return f"; the results come back between <{self.output_tag}> and </{self.output_tag}>"
 
     def wrap(self, output: str) -> str:
-        return f"<{self.output_tag}>{output}</{self.output_tag}>"
+        return f"<{self.output_tag}>{_neutralised(output, self.output_tag)}</{self.output_tag}>"
 
 
 @dataclass(frozen=True)
@@ -201,7 +213,8 @@ class FencedCodeProtocol(ActionProtocol):
         return f"; its output comes back between <{self.output_tag}> and </{self.output_tag}>"
 
     def wrap(self, output: str) -> str:
-        return f"<{self.output_tag}>\n{output}\n</{self.output_tag}>"
+        inner = _neutralised(output, self.output_tag)
+        return f"<{self.output_tag}>\n{inner}\n</{self.output_tag}>"
 
 
 @dataclass(frozen=True)

@@ -5,16 +5,29 @@ it is the recipe to rebuild one: which env with which constructor arguments, whi
 and every action taken, plus a digest of every observation seen so the rebuild can prove
 it reached the same place. That makes states small, portable across processes and
 machines, and safe to store as JSON.
+
+What the recipe cannot recompute is recorded with it, as the outside world's inputs to the
+episode: the env's random generator right after the reset (``rng``, so the restored env's
+next unseeded ``reset()`` picks the same task as the original's), and every transient
+failure of a backend the episode saw (``faults``: a search service that answered 503, a
+sandbox that did not start), so that a restore reproduces the failure instead of meeting a
+recovered backend and diverging. States are data: they never choose the host's settings
+(see ``TextEnv.host_settings``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-STATE_FORMAT_VERSION = 1
+import numpy as np
+
+STATE_FORMAT_VERSION = 2
+# Version 1 states (no rng, no faults) still restore; they are read as having neither.
+_READABLE_VERSIONS = (1, 2)
+MAX_FAULT_CHARS = 2000  # of a recorded failure's message
 
 
 class StateError(ValueError):
@@ -47,7 +60,9 @@ class EnvState:
     """Everything needed to rebuild an episode on a fresh env and check it arrived.
 
     ``digests[0]`` fingerprints the initial observation and ``digests[i]`` the observation
-    returned by ``actions[i - 1]``, so ``len(digests) == len(actions) + 1``.
+    returned by ``actions[i - 1]``, so ``len(digests) == len(actions) + 1``. ``faults`` holds
+    ``(step, message)`` for each step whose backend call failed transiently, in step order;
+    ``rng`` is the env's random generator after the reset (``encode_rng``), or None.
     """
 
     env_id: str
@@ -56,6 +71,8 @@ class EnvState:
     seed: int | None
     actions: tuple[str, ...]
     digests: tuple[str, ...]
+    faults: tuple[tuple[int, str], ...] = ()
+    rng: str | None = None
     version: int = STATE_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -64,6 +81,23 @@ class EnvState:
                 f"state has {len(self.actions)} actions but {len(self.digests)} observation "
                 "digests; expected one digest per action plus the initial observation"
             )
+        steps = [step for step, _ in self.faults]
+        if steps != sorted(set(steps)) or any(not 1 <= s <= len(self.actions) for s in steps):
+            raise StateError(
+                f"state records backend failures at steps {steps}; each must be a step of the "
+                f"episode (1 to {len(self.actions)}), once, in order"
+            )
+
+    def prefix(self, depth: int) -> EnvState:
+        """The state after the first ``depth`` steps: its actions, digests and failures."""
+        if not 0 <= depth <= self.depth:
+            raise StateError(f"depth {depth} is not between 0 and the state's {self.depth}")
+        return replace(
+            self,
+            actions=self.actions[:depth],
+            digests=self.digests[: depth + 1],
+            faults=tuple((step, message) for step, message in self.faults if step <= depth),
+        )
 
     @property
     def depth(self) -> int:
@@ -74,6 +108,7 @@ class EnvState:
         payload = asdict(self)
         payload["actions"] = list(self.actions)
         payload["digests"] = list(self.digests)
+        payload["faults"] = [list(fault) for fault in self.faults]
         return json.dumps(payload, ensure_ascii=False, sort_keys=True)
 
     @classmethod
@@ -90,10 +125,10 @@ class EnvState:
             raise StateError(f"saved state must be a JSON object, got {type(payload).__name__}")
         # JSON `true` arrives as a bool, and bool is an int subclass equal to 1: test the type.
         version = payload.get("version")
-        if type(version) is not int or version != STATE_FORMAT_VERSION:
+        if type(version) is not int or version not in _READABLE_VERSIONS:
             raise StateError(
-                f"saved state has format version {version!r}; this agent_gym reads version "
-                f"{STATE_FORMAT_VERSION}"
+                f"saved state has format version {version!r}; this agent_gym reads versions "
+                f"{', '.join(map(str, _READABLE_VERSIONS))}"
             )
         expected = {"env_id": str, "env_kwargs": dict, "task_id": str, "actions": list,
                     "digests": list}
@@ -107,9 +142,13 @@ class EnvState:
             raise StateError("saved state field 'actions' must hold strings only")
         if not all(isinstance(d, str) for d in payload["digests"]):
             raise StateError("saved state field 'digests' must hold strings only")
-        unknown = set(payload) - {*expected, "seed", "version"}
+        known = {*expected, "seed", "version"} | ({"faults", "rng"} if version > 1 else set())
+        unknown = set(payload) - known
         if unknown:
             raise StateError(f"saved state has unknown fields: {sorted(unknown)}")
+        rng = payload.get("rng")
+        if rng is not None:
+            decode_rng(rng)  # refuse a malformed generator here, not halfway through a restore
         return cls(
             env_id=payload["env_id"],
             env_kwargs=payload["env_kwargs"],
@@ -117,4 +156,55 @@ class EnvState:
             seed=seed,
             actions=tuple(payload["actions"]),
             digests=tuple(payload["digests"]),
+            faults=_faults(payload.get("faults", [])),
+            rng=rng,
         )
+
+
+def _faults(raw: Any) -> tuple[tuple[int, str], ...]:
+    """``[[step, message], ...]`` of a state file, checked for its types and length."""
+    shape = ("saved state field 'faults' must be a list of [step, message] pairs with an "
+             f"integer step and a message of at most {MAX_FAULT_CHARS} characters")
+    if not isinstance(raw, list):
+        raise StateError(shape)
+    faults = []
+    for fault in raw:
+        if not (isinstance(fault, list) and len(fault) == 2 and type(fault[0]) is int
+                and isinstance(fault[1], str) and len(fault[1]) <= MAX_FAULT_CHARS):
+            raise StateError(shape)
+        faults.append((fault[0], fault[1]))
+    return tuple(faults)
+
+
+def encode_rng(generator: np.random.Generator) -> str:
+    """A PCG64 generator's whole state as ``pcg64:STATE:INC:HAS_UINT32:UINTEGER`` (hex).
+
+    A string, not JSON numbers: the 128-bit words would lose precision in every JSON reader
+    that parses numbers as doubles.
+    """
+    state = generator.bit_generator.state
+    if state.get("bit_generator") != "PCG64":
+        raise StateError(f"cannot save a {state.get('bit_generator')} generator; PCG64 only")
+    inner = state["state"]
+    words = (inner["state"], inner["inc"], state["has_uint32"], state["uinteger"])
+    return "pcg64:" + ":".join(f"{int(w):x}" for w in words)
+
+
+def decode_rng(text: Any) -> np.random.Generator:
+    """The generator ``encode_rng`` wrote; ``StateError`` for anything else."""
+    parts = text.split(":") if isinstance(text, str) and len(text) <= 200 else []
+    try:
+        if len(parts) != 5 or parts[0] != "pcg64":
+            raise ValueError(text)
+        state, inc, has_uint32, uinteger = (int(p, 16) for p in parts[1:])
+        generator = np.random.Generator(np.random.PCG64())
+        generator.bit_generator.state = {
+            "bit_generator": "PCG64", "state": {"state": state, "inc": inc},
+            "has_uint32": has_uint32, "uinteger": uinteger,
+        }
+    except (ValueError, TypeError, OverflowError):
+        raise StateError(
+            "saved state field 'rng' must be a generator state as agent_gym writes it "
+            "('pcg64:...')"
+        ) from None
+    return generator

@@ -285,10 +285,16 @@ def _xml_value(tool: str, key: str, raw: str, schema: Mapping[str, Any]) -> Any:
     return _strict_json(value, invalid)
 
 
+def _preview(text: str, limit: int = 60) -> str:
+    """``text`` as a refusal quotes it: a model's 900,000-character tool name is not worth
+    echoing back (the env caps every observation anyway; this keeps the reason readable)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _require_known(name: str, by_name: Mapping[str, ToolSpec]) -> None:
     if name not in by_name:
         available = ", ".join(sorted(by_name)) or "none"
-        raise ToolCallError(f"unknown tool {name!r}; available tools: {available}")
+        raise ToolCallError(f"unknown tool {_preview(name)!r}; available tools: {available}")
 
 
 def _check_arguments(call: ToolCall, tool: ToolSpec) -> None:
@@ -296,4 +302,6 @@ def _check_arguments(call: ToolCall, tool: ToolSpec) -> None:
     error = jsonschema.exceptions.best_match(validator.iter_errors(call.arguments))
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path) or "arguments"
-        raise ToolCallError(f"invalid arguments for {call.name} ({where}): {error.message}")
+        raise ToolCallError(
+            f"invalid arguments for {call.name} ({_preview(where)}): {_preview(error.message, 200)}"
+        )

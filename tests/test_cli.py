@@ -211,3 +211,36 @@ def test_train_errors_are_one_line_too(tmp_path: Path) -> None:
     assert clash.stderr.strip().splitlines() == [
         f"agent-gym train grpo: error: {out} holds a run with model='tiny'; continue it with "
         "the same values or give another --out"]
+
+
+def test_replay_of_an_edited_state_keeps_the_sandbox_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Defect 9: host settings come from --env-arg, never from the state file."""
+    import gymnasium
+
+    from agent_gym.envs.code import PROTOCOLS
+
+    marker = Path(f"/tmp/agent-gym-replay-escape-{tmp_path.name}")
+    env = gymnasium.make("agent_gym/CodeInterpreter-v0", max_turns=3)
+    try:
+        env.reset(seed=0)
+        code = f"open({str(marker)!r}, 'w').write('out')\nprint('written')"
+        env.step(PROTOCOLS[0].format(code))
+        saved = json.loads(env.unwrapped.save_state().to_json())
+    finally:
+        env.close()
+    saved["env_kwargs"]["isolation"] = "rlimits"
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(saved))
+    try:
+        assert main(["replay", str(path)]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        assert printed["observation"] == "written" and not marker.exists()
+        assert printed["host_settings_not_taken"] == {"isolation": "rlimits"}
+        assert printed["reward_settings"]["reward_correct"] == 1.0
+        assert main(["replay", str(path), "--env-arg", "timeout=5"]) == 0  # the caller's own
+        assert json.loads(capsys.readouterr().out)["host_settings_not_taken"] == {
+            "isolation": "rlimits", "timeout": 10.0}
+    finally:
+        marker.unlink(missing_ok=True)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from agent_gym import Opening, StateMismatchError, Task, TextEnv, Transition
+from agent_gym import BackendFailure, Opening, StateMismatchError, Task, TextEnv, Transition
 
 
 class TallyEnv(TextEnv):
@@ -123,7 +123,7 @@ def test_the_cache_is_bounded_least_recently_used_first_out() -> None:
     env = TallyEnv()
     env.snapshot_cache_size = 2
     states = played(env)
-    assert sorted(len(actions) for _, actions in env._prefix_cache) == [4, 5]
+    assert sorted(len(actions) for _, actions, _ in env._prefix_cache) == [4, 5]
     assert env.reset(options={"state": states[4]})[1]["snapshot_depth"] == 4
     played(env, ["7"], task="hundred")  # evicts depth 5, the least recently used
     assert env.reset(options={"state": states[5]})[1]["snapshot_depth"] == 4
@@ -169,3 +169,62 @@ def test_base_rules_apply_once_to_cached_transitions() -> None:
     halfway = replace(state, actions=state.actions[:1], digests=state.digests[:2])
     assert env.reset(options={"state": halfway})[1]["snapshot_depth"] == 1
     assert env.step("y")[1] == -0.5
+
+
+class FlakyTally(TallyEnv):
+    """A tally whose adding goes through a backend that can fail (``down``)."""
+
+    env_id = "tests/FlakyTally-v0"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+        self.calls = 0
+
+    def _add(self, number: int) -> int:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("the adder is down")
+        return self.total + number
+
+    def _step(self, action: str) -> Transition:
+        try:
+            self.total = self._outside(lambda: self._add(int(action)), ConnectionError)
+        except BackendFailure as err:
+            return Transition(f"failed: {err.message}", role="user")
+        return Transition(f"total {self.total}", role="user")
+
+
+def test_recorded_failures_replay_and_key_the_snapshot_cache() -> None:
+    """The same actions with and without a failure are two prefixes, not one."""
+    env = FlakyTally()
+    env.reset(options={"task_id": "zero"})
+    env.down = True
+    assert env.step("3")[0] == "failed: the adder is down"
+    env.down = False
+    env.step("4")
+    failed = env.save_state()
+    env.reset(options={"task_id": "zero"})
+    env.step("3")
+    env.step("4")
+    worked = env.save_state()
+    assert failed.faults == ((1, "the adder is down"),) and worked.faults == ()
+    for state, last in ((failed, "total 4"), (worked, "total 7")):
+        observation, info = env.reset(options={"state": state})
+        assert observation == last and info["snapshot_depth"] == 2
+        assert env.save_state() == state
+    fresh = FlakyTally()  # no snapshots: replays, and never calls the backend for step 1
+    assert fresh.reset(options={"state": failed})[0] == "total 4" and fresh.calls == 1
+
+
+def test_a_step_calls_at_most_one_backend() -> None:
+    class Greedy(FlakyTally):
+        def _step(self, action: str) -> Transition:
+            self._outside(lambda: 1, ConnectionError)
+            self._outside(lambda: 2, ConnectionError)
+            return Transition("two calls", role="user")
+
+    env = Greedy()
+    env.reset(options={"task_id": "zero"})
+    with pytest.raises(RuntimeError, match="called a backend twice in one step"):
+        env.step("1")

@@ -100,3 +100,75 @@ def test_tampered_action_is_caught_at_its_step() -> None:
     with pytest.raises(StateMismatchError) as caught:
         env.reset(options={"state": tampered})
     assert caught.value.step == 2
+
+
+@pytest.mark.parametrize("seed", [7, None])
+def test_a_restored_env_draws_the_next_task_as_the_original_would(seed: int | None) -> None:
+    """Its generator is the original's after the reset, so the next unseeded reset agrees."""
+    original = gymnasium.make("agent_gym/GSM8K-v0", max_turns=4)
+    original.reset(seed=seed)
+    original.step("thinking")
+    state = EnvState.from_json(original.unwrapped.save_state().to_json())
+    restored = gymnasium.make("agent_gym/GSM8K-v0", max_turns=4)
+    restored.reset(options={"state": state})
+    for _ in range(3):
+        assert restored.reset()[1]["task_id"] == original.reset()[1]["task_id"]
+
+
+def test_a_version_1_state_still_restores() -> None:
+    env = _played_env()
+    payload = json.loads(env.unwrapped.save_state().to_json())
+    del payload["rng"], payload["faults"]
+    old = EnvState.from_dict({**payload, "version": 1})
+    assert old.rng is None and old.faults == ()
+    assert gymnasium.make("agent_gym/GSM8K-v0", max_turns=4).reset(options={"state": old})[1][
+        "restored_depth"] == 3
+    with pytest.raises(StateError, match="unknown fields"):  # version 1 had no such fields
+        EnvState.from_dict({**payload, "version": 1, "faults": []})
+
+
+def test_recorded_failures_and_generators_are_checked() -> None:
+    payload = json.loads(_played_env().unwrapped.save_state().to_json())
+    assert payload["faults"] == [] and payload["rng"].startswith("pcg64:")
+    faulted = EnvState.from_dict({**payload, "faults": [[2, "HTTP 503"]]})
+    assert faulted.faults == ((2, "HTTP 503"),)
+    assert EnvState.from_json(faulted.to_json()) == faulted
+    assert faulted.prefix(1).faults == () and faulted.prefix(2).faults == ((2, "HTTP 503"),)
+    assert faulted.prefix(1).digests == faulted.digests[:2]
+    for bad in ([[4, "x"]], [[0, "x"]], [[2, "x"], [1, "y"]], [[1, "x"], [1, "y"]]):
+        with pytest.raises(StateError, match="backend failures at steps"):
+            EnvState.from_dict({**payload, "faults": bad})
+    for bad in ("x", [[True, "x"]], [[1, 2]], [[1, "x" * 5000]], [[1]]):
+        with pytest.raises(StateError, match="'faults' must be"):
+            EnvState.from_dict({**payload, "faults": bad})
+    for bad in ("pcg64:1:2", "mt19937:1:2:0:0", "pcg64:zz:1:0:0", 5, "pcg64:" + "f" * 300):
+        with pytest.raises(StateError, match="'rng'"):
+            EnvState.from_dict({**payload, "rng": bad})
+
+
+def test_make_from_state_takes_no_host_setting_and_reports_the_reward_settings(
+    tmp_path,
+) -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=2, reward_correct=5.0)
+    env.reset(seed=1)
+    env.step("thinking")
+    payload = json.loads(env.unwrapped.save_state().to_json())
+    payload["env_kwargs"]["math_timeout"] = 3600.0  # a host setting: never from a state
+    rebuilt, _, info = make_from_state(json.dumps(payload))
+    assert rebuilt.unwrapped.math_timeout == env.unwrapped.math_timeout
+    assert info["host_settings_not_taken"] == {"math_timeout": 3600.0}
+    assert info["reward_settings"] == {
+        "reward_correct": 5.0, "reward_incorrect": 0.0, "invalid_penalty": 0.0}
+    rebuilt, _, info = make_from_state(json.dumps(payload), math_timeout=3.0)  # the caller's
+    assert rebuilt.unwrapped.math_timeout == 3.0
+    with pytest.raises(StateError, match="make_from_state"):  # episode settings must agree
+        make_from_state(json.dumps(payload), max_turns=9)
+    data = tmp_path / "mine.jsonl"
+    data.write_text(json.dumps({"id": "mine-1", "question": "1+1?", "answer": "#### 2"}) + "\n")
+    own = gymnasium.make("agent_gym/GSM8K-v0", data_path=str(data))
+    own.reset(seed=0)
+    state = own.unwrapped.save_state()
+    with pytest.raises(StateError, match="not in this env's data") as caught:
+        make_from_state(state)  # the state's data_path is not followed...
+    assert "never taken from a state" in " ".join(caught.value.__notes__)
+    assert make_from_state(state, data_path=str(data))[2]["task_id"] == "mine-1"  # ...the caller's is

@@ -16,7 +16,7 @@ from agent_gym.alfworld.games import (
 )
 from agent_gym.core import Opening, OutcomeEnv, Task, Transition
 from agent_gym.protocols import PlainTextProtocol, ToolCallProtocol, choose_protocol
-from agent_gym.tools import ToolCallError, ToolSpec, sanitize_tool_output
+from agent_gym.tools import ToolCallError, ToolSpec
 
 STEP_TOOL = ToolSpec(
     name="alfworld_step",
@@ -80,7 +80,8 @@ class ALFWorldEnv(OutcomeEnv):
 
     Restoring a state this instance has been through jumps to an engine snapshot instead
     of replaying (the base class's snapshot cache, still checking every observation
-    digest); anything else replays.
+    digest); anything else replays. ``data_path`` and ``plan_timeout`` are host settings,
+    never taken from a saved state.
 
     Args:
         data_path, split: where the games come from (split: train, valid_seen,
@@ -96,6 +97,8 @@ class ALFWorldEnv(OutcomeEnv):
     """
 
     env_id = "agent_gym/ALFWorld-v0"
+    # Host files and the planner's time budget: never a state's.
+    host_settings = frozenset({"data_path", "plan_timeout"})
 
     def __init__(
         self,
@@ -214,8 +217,7 @@ class ALFWorldEnv(OutcomeEnv):
         return f"{text}\nAdmissible actions: {', '.join(frame.admissible)}."
 
     def _invalid(self, message: str, frame: Frame, role: str) -> Transition:
-        """The state is unchanged; the message may quote the model, so it is sanitised."""
-        message = sanitize_tool_output(message)
+        """The state is unchanged (the message may quote the model; the base sanitises it)."""
         return Transition(self._observe(message, frame), invalid=True, role=role,
                           info={**self._frame_info(frame), "action": None})
 

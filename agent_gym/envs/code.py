@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.core import BackendFailure, Opening, OutcomeEnv, Task, Transition
 from agent_gym.protocols import FencedCodeProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, score_math
 from agent_gym.sandbox import ExecResult, Limits, SandboxError, open_sandbox
-from agent_gym.tools import ToolCallError, ToolSpec, sanitize_tool_output
+from agent_gym.tools import ToolCallError, ToolSpec
 
 CODE_TOOL = ToolSpec(
     name="code_interpreter",
@@ -36,6 +36,7 @@ PROMPT = (
     "final answer in \\boxed{{}}."
 )
 NO_ANSWER = "No code and no final answer found: run code, or give the final answer in \\boxed{}."
+EMPTY_ANSWER = "The \\boxed{} answer is empty: write the final answer inside it."
 # The DAPO-Math-17k prompt wraps each problem in an instruction for a different answer
 # format ("Answer: ..."); the env asks for \boxed{}, so the problem is cut out of it.
 _DAPO_HEAD = "Solve the following math problem step by step."
@@ -56,13 +57,13 @@ class CodeInterpreterEnv(OutcomeEnv):
     ``code_interpreter`` tool call (Hermes JSON or Qwen3 XML), answered by a ``tool``
     message; with ``protocol="fenced"`` through a ```python block ending the message, its
     output in ``<interpreter>`` tags in a ``user`` message. A reply without a call is the
-    final answer: its last ``\\boxed{}`` is graded.
+    final answer: its last ``\\boxed{}`` is graded (an empty one is no answer).
     Reward: ``reward_correct`` when math-verify finds the answer equal to the reference,
     ``reward_incorrect`` when it does not, and ``reward_incorrect`` on the last step when
     the turns run out without an answer (so +1/-1 and 1/0 are both a matter of
     arguments). An invalid step (malformed call, no call and no answer, code budget spent)
     earns ``-invalid_penalty``; a sandbox failure is not the agent's fault and costs
-    nothing.
+    nothing (no penalty, no code call spent; in stateful mode the interpreter starts afresh).
     Episode end: terminated by a boxed answer; truncated after ``max_turns`` replies.
     Info: after a run ``exec_status``, ``exec_error``, ``state_lost``, ``exec_seconds``,
     ``code_calls`` and ``isolation`` (with ``sandbox_warning`` when not isolated, and
@@ -71,7 +72,13 @@ class CodeInterpreterEnv(OutcomeEnv):
     Save/restore: the base class replays every reply on a fresh sandbox, so cells are
     re-executed in order and each output is checked against its saved digest. Cells whose
     output depends on time or on OS randomness will not replay identically (``random``
-    is seeded and ``PYTHONHASHSEED`` fixed in the sandbox).
+    is seeded and ``PYTHONHASHSEED`` fixed in the sandbox). A sandbox that failed (did not
+    start, broke its protocol) is recorded in the state with its message, and a restore
+    reproduces that failure at that step instead of running the cell on a sandbox that works
+    again (``TextEnv._outside``).
+    Trust: ``isolation``, ``timeout``, ``memory_mb``, ``pool_size``, ``math_timeout`` and the
+    data sources (``data_path``, ``dataset``, ``split``) are host settings: a state never
+    chooses them (``agent_gym.make_from_state`` takes them from its caller only).
 
     Args:
         data_path: a JSONL/parquet file of problems: ``problem``/``question``/``prompt``
@@ -94,6 +101,11 @@ class CodeInterpreterEnv(OutcomeEnv):
     """
 
     env_id = "agent_gym/CodeInterpreter-v0"
+    # The sandbox's isolation and limits, the hub (network) and host files: never a state's.
+    host_settings = frozenset({
+        "isolation", "timeout", "memory_mb", "pool_size", "math_timeout", "data_path",
+        "dataset", "split",
+    })
 
     def __init__(
         self,
@@ -118,21 +130,19 @@ class CodeInterpreterEnv(OutcomeEnv):
         self.protocol = choose_protocol(protocol, PROTOCOLS)
         if mode not in _STATE:
             raise ValueError(f"mode must be 'stateful' or 'stateless', got {mode!r}")
-        if max_code_calls < 0 or max_obs_chars < 100 or memory_mb < 64 or pool_size < 0:
-            raise ValueError(
-                "need max_code_calls >= 0, max_obs_chars >= 100, memory_mb >= 64 and pool_size >= 0"
-            )
+        if max_code_calls < 0 or memory_mb < 64 or pool_size < 0:
+            raise ValueError("need max_code_calls >= 0, memory_mb >= 64 and pool_size >= 0")
         super().__init__(
             load_tasks(data_path, dataset, split),
             max_turns=max_turns,
             reward_correct=reward_correct,
             reward_incorrect=reward_incorrect,
             invalid_penalty=invalid_penalty,
+            max_obs_chars=max_obs_chars,
             render_mode=render_mode,
         )
         self.mode = mode
         self.max_code_calls = max_code_calls
-        self.max_obs_chars = max_obs_chars
         self.timeout = timeout
         self.math_timeout = math_timeout
         limits = Limits(
@@ -190,8 +200,9 @@ class CodeInterpreterEnv(OutcomeEnv):
             "correct": score.correct,
             "code_calls": self._calls,
         }
-        if score.answer is None:
-            return self._invalid(NO_ANSWER, role="user", info=info)
+        if not score.answer:  # an empty \boxed{} is no answer, like an empty "Answer:"
+            message = NO_ANSWER if score.answer is None else EMPTY_ANSWER
+            return self._invalid(message, role="user", info=info)
         return Transition(
             f"Final answer: {score.answer}", self._outcome(score.correct), terminated=True,
             role="user", info=info,
@@ -209,18 +220,26 @@ class CodeInterpreterEnv(OutcomeEnv):
         if self.sandbox.launcher.warning:
             info["sandbox_warning"] = self.sandbox.launcher.warning
         try:
-            result = self.sandbox.run(code, timeout=self.timeout)
-        except SandboxError as err:
-            # Not the agent's fault: no call spent and no penalty; the episode goes on.
-            info["sandbox_error"] = str(err)
-            return self._observe(f"The code interpreter failed: {err}. Try again.", info)
+            result = self._outside(lambda: self.sandbox.run(code, timeout=self.timeout),
+                                   SandboxError)
+        except BackendFailure as err:
+            # Not the agent's fault: no call spent and no penalty; the episode goes on. A
+            # notebook's interpreter is gone with the failure, so it starts afresh, in the
+            # episode and in every restore of it alike.
+            info["sandbox_error"] = err.message
+            lost = ""
+            if self.mode == "stateful":
+                self.sandbox.reset()
+                lost = " Its state was lost: variables and imports are gone."
+            return self._observe(f"The code interpreter failed: {err.message}.{lost} Try again.",
+                                 info)
         self._calls += 1
         info.update(_result_info(result), code_calls=self._calls)
         return self._observe(result.observation(), info)
 
     def _observe(self, text: str, info: dict[str, Any]) -> Transition:
-        text = self.protocol.wrap(sanitize_tool_output(text, self.max_obs_chars))
-        return Transition(text, role=self.protocol.reply_role, info=info)
+        """The output in the protocol's wrapping (the base sanitises and caps it)."""
+        return Transition(self.protocol.wrap(text), role=self.protocol.reply_role, info=info)
 
     @staticmethod
     def _invalid(message: str, role: str, info: dict[str, Any] | None = None) -> Transition:

@@ -13,6 +13,7 @@ SYSTEM_PROMPT = (
     "in \\boxed{}."
 )
 NO_ANSWER = "No final answer found: write the final answer inside \\boxed{}."
+EMPTY_ANSWER = "The \\boxed{} answer is empty: write the final answer inside it."
 
 
 class GSM8KEnv(OutcomeEnv):
@@ -23,12 +24,15 @@ class GSM8KEnv(OutcomeEnv):
     the answer (the reference is never revealed).
     Action: the assistant's reply; its last ``\\boxed{...}`` is the answer.
     Reward: ``reward_correct`` when math-verify finds the answer equivalent to the
-    reference, else ``reward_incorrect``; a reply without a boxed answer is invalid
-    (``-invalid_penalty``), and on the last turn it also earns ``reward_incorrect``.
+    reference, else ``reward_incorrect``; a reply without a boxed answer, or whose last
+    ``\\boxed{}`` is empty, is invalid (``-invalid_penalty``), and on the last turn it also
+    earns ``reward_incorrect``.
     Episode end: terminated by a boxed answer; truncated once ``max_turns`` replies went by
     without one (with ``max_turns=1``, a single unanswered reply).
     Info: ``answer`` (what was read, or None) and ``correct``; ``no_answer`` on a truncated
     last step.
+    Trust: ``data_path``, ``split`` (a hub download) and ``math_timeout`` are host settings,
+    never taken from a saved state (``agent_gym.make_from_state`` takes them from its caller).
 
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``answer`` (GSM8K format,
@@ -42,6 +46,8 @@ class GSM8KEnv(OutcomeEnv):
     """
 
     env_id = "agent_gym/GSM8K-v0"
+    # Host files, the hub (network) and the grader's time budget: never from a state.
+    host_settings = frozenset({"data_path", "split", "math_timeout"})
 
     def __init__(
         self,
@@ -81,8 +87,9 @@ class GSM8KEnv(OutcomeEnv):
     def _step(self, action: str) -> Transition:
         score = score_math(action, self.task.payload["reference"], self.math_timeout)
         info: dict[str, Any] = {"answer": score.answer, "correct": score.correct}
-        if score.answer is None:
-            return Transition(NO_ANSWER, invalid=True, role="user", info=info)
+        if not score.answer:  # an empty \boxed{} is no answer, like an empty "Answer:"
+            message = NO_ANSWER if score.answer is None else EMPTY_ANSWER
+            return Transition(message, invalid=True, role="user", info=info)
         return Transition(
             f"Final answer: {score.answer}", self._outcome(score.correct), terminated=True,
             role="user", info=info,

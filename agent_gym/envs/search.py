@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.core import BackendFailure, Opening, OutcomeEnv, Task, Transition
 from agent_gym.protocols import TagProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.rewards import exact_match, f1_score
 from agent_gym.search import (
@@ -19,7 +19,7 @@ from agent_gym.search import (
     cache_root,
     open_backend,
 )
-from agent_gym.tools import ToolCallError, ToolSpec, parse_tag_call, sanitize_tool_output
+from agent_gym.tools import ToolCallError, ToolSpec, parse_tag_call
 
 SEARCH_TOOL = ToolSpec(
     name="search",
@@ -52,7 +52,11 @@ class SearchEnv(OutcomeEnv):
     Observation: the question at reset; after a search, the top passages ("Doc i (Title:
     ...) text", each capped) and the searches left, wrapped by the protocol; after an
     answer, what was read as the answer. Backend failures (server down, retries exhausted)
-    come back as an error observation and the episode goes on.
+    come back as an error observation and the episode goes on; the failure is recorded in
+    the state, so a restore reproduces it at that step rather than asking a backend that may
+    have recovered (``TextEnv._outside``). Successful searches replay from the response
+    cache. Passages that print ``</information>`` cannot close their block (the tag protocol
+    neutralises its own tags in the output). A closed env refuses to step.
     Action: the assistant's reply. With ``protocol="tool"`` a search is a ``search`` tool
     call (Hermes JSON or Qwen3 XML), answered by a ``tool`` message; with
     ``protocol="tag"`` it is Search-R1's ``<search>query</search>``, answered by a ``user``
@@ -89,9 +93,18 @@ class SearchEnv(OutcomeEnv):
         invalid_penalty: subtracted on every invalid step (0 by default, as in Search-R1's
             EM-only reward).
         timeout, max_retries: per request to the ``http`` and ``wikipedia`` backends.
+
+    Trust: the backend and where it lives (``backend``, ``url``, ``corpus``, ``index_dir``,
+    ``cache``), its time budget (``timeout``, ``max_retries``) and the data sources
+    (``data_path``, ``dataset``, ``split``) are host settings: a state never chooses them.
     """
 
     env_id = "agent_gym/Search-v0"
+    # Network endpoints, host paths (the cache is written), time budgets: never a state's.
+    host_settings = frozenset({
+        "backend", "url", "corpus", "index_dir", "cache", "timeout", "max_retries",
+        "data_path", "dataset", "split",
+    })
 
     def __init__(
         self,
@@ -119,21 +132,20 @@ class SearchEnv(OutcomeEnv):
         self.protocol = choose_protocol(protocol, PROTOCOLS)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if topk < 1 or max_searches < 0 or passage_chars < 1 or max_obs_chars < 100:
-            raise ValueError("need topk >= 1, max_searches >= 0, passage_chars >= 1 and "
-                             "max_obs_chars >= 100")
+        if topk < 1 or max_searches < 0 or passage_chars < 1:
+            raise ValueError("need topk >= 1, max_searches >= 0 and passage_chars >= 1")
         super().__init__(
             load_tasks(data_path, dataset, split),
             max_turns=max_turns,
             reward_correct=reward_correct,
             reward_incorrect=reward_incorrect,
             invalid_penalty=invalid_penalty,
+            max_obs_chars=max_obs_chars,
             render_mode=render_mode,
         )
         self.topk = topk
         self.max_searches = max_searches
         self.passage_chars = passage_chars
-        self.max_obs_chars = max_obs_chars
         raw = open_backend(backend, corpus=corpus, index_dir=index_dir, url=url,
                            timeout=timeout, max_retries=max_retries)
         self.backend = CachedBackend(raw, _open_cache(cache, backend))
@@ -192,11 +204,12 @@ class SearchEnv(OutcomeEnv):
             return self._observe(f"No searches left (the budget is {self.max_searches}); "
                                  "give your answer now.", {}, invalid=True)
         try:
-            passages = self.backend.search([query], self.topk)[0]
-        except SearchError as err:
+            passages = self._outside(lambda: self.backend.search([query], self.topk)[0],
+                                     SearchError)
+        except BackendFailure as err:
             # Not the agent's fault: no penalty, no search spent; the episode goes on.
-            return self._observe(f"Search failed: {err}. You can search again or answer.",
-                                 {"query": query, "search_error": str(err)})
+            return self._observe(f"Search failed: {err.message}. You can search again or "
+                                 "answer.", {"query": query, "search_error": err.message})
         self._searches += 1
         left = self.max_searches - self._searches
         body = self._format(passages) if passages else "No passage matches this query."
@@ -216,8 +229,10 @@ class SearchEnv(OutcomeEnv):
         return "\n".join(docs)
 
     def _observe(self, text: str, info: dict[str, Any], invalid: bool = False) -> Transition:
-        text = self.protocol.wrap(sanitize_tool_output(text, self.max_obs_chars))
-        return Transition(text, invalid=invalid, role=self.protocol.reply_role, info=info)
+        """The answer to a parsed call, wrapped by the protocol (the base sanitises and
+        caps it)."""
+        return Transition(self.protocol.wrap(text), invalid=invalid,
+                          role=self.protocol.reply_role, info=info)
 
     def _answer(self, answer: str) -> Transition:
         answer = answer.strip().strip("*").strip()  # "**Answer:** x" in markdown

@@ -227,7 +227,14 @@ class StatefulSandbox:
             if self._worker is None:
                 self._replace_worker()
             assert self._worker is not None
-            result = _execute(self.launcher, self._worker, code, seconds)
+            try:
+                result = _execute(self.launcher, self._worker, code, seconds)
+            except SandboxError:
+                # It did not start (or broke its protocol) and is closed: the next call must
+                # start a fresh interpreter, not reuse a dead one.
+                self._worker.close()
+                self._worker = None
+                raise
             if result.status in ("timeout", "crashed"):
                 self._replace_worker()
                 result = replace(result, state_lost=True)

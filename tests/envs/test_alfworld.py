@@ -402,7 +402,7 @@ print(json.dumps({{"state": env.save_state().to_json(), "observation": observati
     output = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             check=True, env=environment, timeout=120).stdout
     saved = json.loads(output.splitlines()[-1])
-    env, observation, info = make_from_state(saved["state"])
+    env, observation, info = make_from_state(saved["state"], data_path=str(HEAT))  # a host path
     assert observation == saved["observation"] and info["restored_depth"] > 2
     env.close()
 

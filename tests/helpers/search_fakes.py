@@ -85,6 +85,8 @@ class _ProxyHandler(_Quiet):
             self.send(429, b'{"error": "slow down"}', {"retry-after": "0"})
         elif fault == "500":
             self.send(500, b'{"error": "boom"}')
+        elif fault == "503":
+            self.send(503, b'{"error": "unavailable"}')
         elif fault == "malformed":
             self.send(200, b'{"result": [[{"document": ')
         elif fault == "wrong-shape":
@@ -97,7 +99,7 @@ class _ProxyHandler(_Quiet):
 
 class FaultProxy(_Stub):
     """Forwards to `upstream` unless the next queued fault says otherwise: "slow" (sleep,
-    then forward), "429", "500", "malformed" (truncated JSON), "wrong-shape"."""
+    then forward), "429", "500", "503", "malformed" (truncated JSON), "wrong-shape"."""
 
     handler = _ProxyHandler
 

@@ -127,6 +127,17 @@ def test_notebook_timeout_and_crash_lose_state_and_say_so(notebook: StatefulSand
     assert notebook.run("kept").error == "NameError"
 
 
+def test_a_notebook_that_failed_to_start_starts_afresh_on_the_next_call(
+    notebook: StatefulSandbox,
+) -> None:
+    python, notebook.launcher.python = notebook.launcher.python, "/usr/bin/false"
+    notebook.reset()  # this interpreter exits at once
+    notebook.launcher.python = python
+    with pytest.raises(SandboxError, match="did not start"):
+        notebook.run("1")
+    assert notebook.run("6 * 7").stdout == "42\n"  # not the dead worker again
+
+
 def test_notebook_cpu_budget_is_per_cell() -> None:
     limits = Limits(timeout=5.0, cpu_seconds=1, memory_bytes=256 << 20)
     with open_sandbox("stateful", limits=limits) as box:
