@@ -21,7 +21,6 @@ The store fixes the seed lab's pool, which was sampled with replacement and neve
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections import deque
@@ -64,11 +63,7 @@ def cut(episode: Episode, turn: int, version: int) -> ResumePoint:
     if start is not None:  # the prefix's own spans, which the episode took as context
         sequence = TokenSequence(sequence.tokens, (*start.sequence.spans, *sequence.spans))
     depth = episode.env_state.depth - stepped + turn
-    state = dataclasses.replace(
-        episode.env_state,
-        actions=episode.env_state.actions[:depth],
-        digests=episode.env_state.digests[: depth + 1],
-    )
+    state = episode.env_state.prefix(depth)
     before = len(start.messages) if start else episode.opening_messages
     messages = tuple(dict(m) for m in episode.messages[: before + 2 * turn])
     if len(messages) != before + 2 * turn or messages[-1].get("role") == "assistant":
