@@ -54,6 +54,8 @@ SYSTEM_PROMPT = (
 ANSWER_NOW = "Reply with only the estimate"
 THINK_FIRST = "Think briefly, then end your reply with the estimate"
 VALUE_PREFILL = "<value>"
+VALUE_CLOSE = "</value>"
+STOPPED = "stop"  # pytrio's stop_reason for a stop token or string
 # Privileged keys that restate another key in the actor's own action format (scripted
 # policies replay them); they add length, not information.
 HIDDEN_PRIVILEGED = frozenset({"oracle_actions"})
@@ -164,15 +166,22 @@ class Critic:
     async def sample(
         self, sampler: Sampler, prompt: list[int], n: int, seed: int
     ) -> list[CriticSample]:
-        """``n`` critic replies to one prompt (one shared prefill)."""
+        """``n`` critic replies to one prompt (one shared prefill).
+
+        A prefilled reply also stops at ``</value>``: the answer is complete there, and a
+        small model that closes the tag and then chats on would otherwise be cut and lost.
+        """
         key = hashlib.blake2b(f"critic/{seed}".encode(), digest_size=4).digest()
+        stop: list[str] | list[int] = list(self.renderer.stop_tokens)
+        if self.prefill:
+            stop = [VALUE_CLOSE, self.renderer.tokenizer.decode(self.renderer.stop_tokens)]
         response = await sampler.sample_async(
             ModelInput.from_ints(prompt),
             num_samples=n,
             sampling_params=SamplingParams(
                 max_tokens=self.max_tokens,
                 seed=int.from_bytes(key, "little") & 0x7FFFFFFF,
-                stop=list(self.renderer.stop_tokens),
+                stop=stop,
                 temperature=self.temperature,
             ),
         )
@@ -180,7 +189,10 @@ class Critic:
         for sequence in response.sequences:
             tokens = list(sequence.tokens)
             value = None
-            if self.renderer.is_finished(tokens):  # a cut reply is a failure, whatever it says
+            # A cut reply is a failure, whatever it says.
+            ended = (sequence.stop_reason == STOPPED if self.prefill
+                     else self.renderer.is_finished(tokens))
+            if ended:
                 reply = self.prefill + self.renderer.completion_text(tokens)
                 value = parse_value(reply, self.r_max)
             turn = Turn(list(prompt), tokens, list(sequence.logprobs), sequence.stop_reason)
