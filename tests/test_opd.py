@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gymnasium
 import numpy as np
 import pytest
+import torch
 
+from agent_gym.render import ChatRenderer
 from tests.chat_templates import smollm2_tokenizer
 from tests.grpo_toy import char_tokenizer, save_tiny_model
+from trainers.backends.local import LocalServiceClient
 from trainers.episode import IGNORE_TARGET, Turn
 from trainers.opd import (
     PRIVILEGED_HEADER,
@@ -22,6 +26,10 @@ from trainers.opd import (
     privileged_messages,
     train,
 )
+from trainers.sft import Args as SftArgs
+from trainers.sft import train as sft_train
+
+GSM8K = Path(__file__).resolve().parents[1] / "agent_gym" / "datasets" / "gsm8k_mini.jsonl"
 
 
 def inputs(datum: object, key: str) -> list[float]:
@@ -110,3 +118,58 @@ def test_privileged_self_distillation_step_on_a_real_env(tmp_path: Path) -> None
         assert row["reverse_kl_mean"] != 0.0  # the privileged context changes the teacher
     saved = json.loads((tmp_path / "run" / "checkpoint.json").read_text())
     assert saved["step"] == 2
+
+
+# ----------------------------------------------------------------------- a real run
+@pytest.fixture(scope="module")
+def format_teacher(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2 after two SFT updates on GSM8K-v0 oracle replies ("The answer is \\boxed{N}."):
+    a teacher whose replies begin unlike the base model's ("To find ...")."""
+    folder = tmp_path_factory.mktemp("teacher")
+    data = folder / "train.jsonl"
+    data.write_text("".join(GSM8K.read_text().splitlines(keepends=True)[:4]))
+    sft_train(SftArgs(env_id="agent_gym/GSM8K-v0", env_kwargs={"data_path": str(data)},
+                      epochs=2, batch_size=4, learning_rate=2e-3, lora_rank=8,
+                      out=str(folder / "run"), progress=False))
+    return json.loads((folder / "run" / "checkpoint.json").read_text())["path"]
+
+
+def first_token_reverse_kl(student: object, teacher: object, prompts: list[list[int]]) -> float:
+    """Exact KL(student || teacher) of the first reply token, summed over the vocabulary
+    (no sampling noise), averaged over prompts."""
+    values = []
+    for prompt in prompts:
+        with torch.no_grad():
+            s, t = (torch.log_softmax(m.model(input_ids=torch.tensor([prompt])).logits[0, -1]
+                                      .double(), -1)
+                    for m in (student, teacher))  # type: ignore[attr-defined]
+        values.append(float((s.exp() * (s - t)).sum()))
+    return float(np.mean(values))
+
+
+def test_opd_lowers_the_reverse_kl_to_its_teacher(tmp_path: Path, format_teacher: str) -> None:
+    """The embedded model as student, on GSM8K-v0 tasks the teacher never saw: two OPD
+    updates (8 episodes of 3 tokens each) cut the exact first-token reverse KL to the
+    teacher, measured on four further held-out tasks, by more than half."""
+    data = tmp_path / "tasks.jsonl"
+    lines = GSM8K.read_text().splitlines(keepends=True)
+    data.write_text("".join(lines[10:18]))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(lines[40:44]))
+    service = LocalServiceClient(checkpoint_dir=tmp_path / "checkpoints")
+    teacher = service.create_sampling_client("smollm2", format_teacher)
+    renderer = ChatRenderer(teacher.get_tokenizer())
+    env = gymnasium.make("agent_gym/GSM8K-v0", data_path=str(heldout))
+    prompts = [renderer.prompt(env.reset(options={"index": i})[1]["messages"]) for i in range(4)]
+    env.close()
+    before = first_token_reverse_kl(service.create_sampling_client("smollm2"), teacher, prompts)
+
+    rows = train(Args(teacher=f"local:smollm2@{format_teacher}", privileged=False,
+                      env_kwargs={"data_path": str(data)}, steps=2, batch_size=2,
+                      group_size=4, max_tokens=3, learning_rate=5e-3, lora_rank=8,
+                      out=str(tmp_path / "run"), progress=False))
+    assert all(row["reverse_kl_mean"] > 0.2 for row in rows)  # the teacher disagrees
+    student = json.loads((tmp_path / "run" / "checkpoint.json").read_text())["path"]
+    after = first_token_reverse_kl(service.create_sampling_client("smollm2", student), teacher,
+                                   prompts)
+    assert before > 0.5 and after < 0.5 * before, (before, after)
