@@ -11,7 +11,8 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train grpo``, ``train tempo`` and ``train plot`` to the ``agent-gym`` command line."""
+    """Add ``train grpo``, ``train tempo``, ``train sft``, ``train opd`` and ``train plot`` to
+    the ``agent-gym`` command line."""
     train = subparsers.add_parser("train", help="train a policy on an agent_gym environment")
     trainers = train.add_subparsers(dest="trainer", required=True)
     # No option prefix this parser knows: every argument, --help included, is passed on.
@@ -27,6 +28,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     tempo.add_argument("argv", nargs="*")
     tempo.set_defaults(run=_run_tempo)
+    sft = trainers.add_parser(
+        "sft", help="SFT on demonstrations (see `agent-gym train sft --help`)", add_help=False,
+        prefix_chars="\0",
+    )
+    sft.add_argument("argv", nargs="*")
+    sft.set_defaults(run=_run_sft)
+    opd = trainers.add_parser(
+        "opd", help="on-policy distillation (see `agent-gym train opd --help`)",
+        add_help=False, prefix_chars="\0",
+    )
+    opd.add_argument("argv", nargs="*")
+    opd.set_defaults(run=_run_opd)
     plot = trainers.add_parser(
         "plot", help="plot a training run's metrics to RUN_DIR/metrics.png", add_help=False,
         prefix_chars="\0",
@@ -43,6 +56,18 @@ def _run_grpo(args: argparse.Namespace) -> int:
 
 def _run_tempo(args: argparse.Namespace) -> int:
     from trainers.tempo import main
+
+    return main(args.argv)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from trainers.sft import main
+
+    return main(args.argv)
+
+
+def _run_opd(args: argparse.Namespace) -> int:
+    from trainers.opd import main
 
     return main(args.argv)
 

@@ -20,9 +20,10 @@ mean negative log-likelihood per demonstrated token.
 Each step takes ``batch_size`` demonstrations of a per-epoch shuffle, one
 ``forward_backward`` and one ``optim_step``. With ``--heldout-env-kwargs`` (a JSON object
 for the same env, e.g. a held-out ``data_path`` or ``split``) the oracle demonstrations of
-those tasks are scored (``forward``, no update) before the first step and every
-``--heldout-every`` steps: ``heldout_nll`` is their mean NLL per token, the number a
-learning run must lower. Metrics go to ``<out>/metrics.jsonl``; ``<out>/checkpoint.json``
+those tasks are scored (``forward``, no update) before the first step
+(``heldout_nll_before``, in the first metrics line), every ``--heldout-every`` steps and
+after the last (``heldout_nll``): their mean NLL per token, the number a learning run must
+lower. Metrics go to ``<out>/metrics.jsonl``; ``<out>/checkpoint.json``
 names the latest checkpoint (``--resume`` continues from it; ``agent-gym eval --policy
 local:MODEL@PATH`` plays it).
 """
