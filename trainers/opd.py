@@ -228,7 +228,6 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
     teacher = open_teacher(args, service)
     check_tokenizers(training.get_tokenizer(), teacher.get_tokenizer())
     renderer = ChatRenderer(training.get_tokenizer())
-    probe = gymnasium.make(args.env_id, **args.env_kwargs)  # teacher openings, per task
     openings: dict[int, tuple[list[int], list[int]]] = {}
 
     def opening(task: int) -> tuple[list[int], list[int]]:
@@ -246,6 +245,7 @@ def train(args: Args, service: Any | None = None) -> list[dict[str, Any]]:
                            max_tokens=args.max_tokens,
                            max_trajectory_tokens=args.max_trajectory_tokens)
     adam = AdamParams(learning_rate=args.learning_rate, grad_clip_norm=args.grad_clip_norm)
+    probe = gymnasium.make(args.env_id, **args.env_kwargs)  # teacher openings, per task
     num_tasks = len(probe.unwrapped.tasks)
 
     history: list[dict[str, Any]] = []
