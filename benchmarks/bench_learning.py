@@ -104,6 +104,7 @@ def main() -> int:
     demos = json.loads((work / "sft" / "demonstrations.json").read_text())
 
     result = {
+        "command": " ".join(["python", *sys.argv]),
         "env_id": ENV_ID,
         "split": {"train_tasks": demos["used"], "heldout_tasks": base["episodes"],
                   "rule": "bundled search_qa.jsonl, index % 4 == 3 held out"},
