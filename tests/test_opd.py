@@ -148,9 +148,10 @@ def first_token_reverse_kl(student: object, teacher: object, prompts: list[list[
 
 
 def test_opd_lowers_the_reverse_kl_to_its_teacher(tmp_path: Path, format_teacher: str) -> None:
-    """The embedded model as student, on GSM8K-v0 tasks the teacher never saw: two OPD
+    """The embedded model as student, on GSM8K-v0 tasks the teacher never saw: three OPD
     updates (8 episodes of 3 tokens each) cut the exact first-token reverse KL to the
-    teacher, measured on four further held-out tasks, by more than half."""
+    teacher, measured on four further held-out tasks, by more than half (measured here:
+    1.99 -> 0.39; two updates only reached 0.99, too close to the line)."""
     data = tmp_path / "tasks.jsonl"
     lines = GSM8K.read_text().splitlines(keepends=True)
     data.write_text("".join(lines[10:18]))
@@ -165,7 +166,7 @@ def test_opd_lowers_the_reverse_kl_to_its_teacher(tmp_path: Path, format_teacher
     before = first_token_reverse_kl(service.create_sampling_client("smollm2"), teacher, prompts)
 
     rows = train(Args(teacher=f"local:smollm2@{format_teacher}", privileged=False,
-                      env_kwargs={"data_path": str(data)}, steps=2, batch_size=2,
+                      env_kwargs={"data_path": str(data)}, steps=3, batch_size=2,
                       group_size=4, max_tokens=3, learning_rate=5e-3, lora_rank=8,
                       out=str(tmp_path / "run"), progress=False))
     assert all(row["reverse_kl_mean"] > 0.2 for row in rows)  # the teacher disagrees
