@@ -1,6 +1,6 @@
 """Does SFT on oracle demonstrations make the embedded model succeed on held-out tasks?
 
-    python benchmarks/bench_learning.py [--epochs 2] [--out benchmarks/results/learning.json]
+    python benchmarks/bench_learning.py [--epochs 4] [--out benchmarks/results/learning.json]
 
 Env: Search-v0 on its bundled corpus. Why this one: its oracle episodes are short (2 to 4
 replies of 10 to 30 tokens, about 350 tokens in all, against ~900 for an ALFWorld game and
@@ -18,6 +18,10 @@ Measured: held-out success of the base model and of the SFT checkpoint with gree
 decoding (``agent-gym eval``, same seed, same tasks), each with its episode count and 95%
 Wilson interval, and the held-out demonstrations' NLL per token before and after. Writes
 ``--out`` (JSON) and the training curve to the same name with ``.png``.
+
+Measured here (one torch thread, 2 cores shared, load 2-10): base 0/18 [0.00, 0.18];
+after 2 epochs (28 steps) 4/18 [0.09, 0.45], held-out NLL 2.14 -> 0.14; continued to 4
+epochs (56 steps) 14/18 [0.55, 0.91], NLL 0.04 (9/10 one-hop, 5/7 two-hop, 0/1 three-hop).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ def evaluate(policy: str, test_path: Path, out: Path, args: argparse.Namespace) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in eval")
