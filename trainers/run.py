@@ -77,6 +77,8 @@ class Sampler(Protocol):
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]: ...
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase: ...
+
 
 class TrainingClient(Protocol):
     """What a run needs from a training client (pytrio's or the local one)."""
