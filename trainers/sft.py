@@ -50,6 +50,7 @@ from trainers.run import (
     EnvFactory,
     Metrics,
     RunArgs,
+    RunConfigError,
     ServiceClient,
     TrainingClient,
     env_factory,
@@ -73,7 +74,7 @@ class Args(RunArgs):
         "(its successful episodes)")
     heldout_env_kwargs: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "the same env on held-out tasks, as a JSON object of constructor arguments: "
-        "their oracle demonstrations are scored, never trained on (default: none)"})
+        "their oracle demonstrations are scored, never trained on ({}: none)"})
     heldout_every: int = option(0, "steps between held-out scorings (0: before and after only)")
     epochs: int = option(2, "passes over the demonstrations")
     batch_size: int | None = option(4, "demonstrations per step")
@@ -87,6 +88,8 @@ class Args(RunArgs):
     max_turns: int | None = option(None, "not used by SFT: a demonstration plays to its end")
     max_tokens: int | None = option(None, UNUSED)
     concurrency: int = option(8, UNUSED)
+    temperature: float = option(1.0, UNUSED)
+    seed: int = option(0, "seed of the per-epoch shuffles: the same seed replays the same run")
 
     LOSSES: ClassVar[tuple[str, ...]] = (CROSS_ENTROPY,)
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {}
@@ -121,7 +124,7 @@ def oracle_demonstrations(make_env: EnvFactory) -> list[Demonstration]:
             _, info = env.reset(options={"index": index})
             actions = list(info["privileged"].get("oracle_actions") or ())
             if not actions:
-                raise ValueError(f"task {info['task_id']} has no oracle_actions to demonstrate")
+                raise RunConfigError(f"task {info['task_id']} has no oracle_actions to demonstrate")
             demos.append(Demonstration({"task_id": info["task_id"]}, actions, ORACLE))
         return demos
     finally:
@@ -133,7 +136,7 @@ def run_demonstrations(run_dir: Path, env_id: str) -> list[Demonstration]:
     final saved state holds the exact actions that earned its reward."""
     path = run_dir / "episodes.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not an agent-gym eval run (no episodes.jsonl)")
+        raise RunConfigError(f"{run_dir} is not an agent-gym eval run (no episodes.jsonl)")
     demos = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if not line.strip():
@@ -141,7 +144,7 @@ def run_demonstrations(run_dir: Path, env_id: str) -> list[Demonstration]:
         record = json.loads(line)
         state = record["final_state"]
         if state["env_id"] != env_id:
-            raise ValueError(f"{path} holds {state['env_id']} episodes, not {env_id}")
+            raise RunConfigError(f"{path} holds {state['env_id']} episodes, not {env_id}")
         if record["success"]:
             demos.append(Demonstration({"task_id": state["task_id"]}, state["actions"],
                                        f"{run_dir.name}#{record['episode']}"))
@@ -223,7 +226,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         datums, dropped = demonstration_datums(run.envs, run.renderer, demos,
                                                args.max_trajectory_tokens)
         if not datums:
-            raise ValueError(f"no usable demonstrations ({len(demos)} found, dropped {dropped})")
+            raise RunConfigError(
+                f"no usable demonstrations ({len(demos)} found, dropped {dropped})")
         heldout: list[Datum] = []
         if args.heldout_env_kwargs:
             heldout_env = env_factory(args.env_id, args.heldout_env_kwargs, args.ray)
