@@ -49,7 +49,7 @@ from pytrio.types import TensorData
 
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import Episode, TokenSequence, build_datum
-from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
+from trainers.rollout import rollout_metrics, rollout_step, run_rollout_config
 from trainers.run import (
     OUT_HELP,
     Metrics,
@@ -235,20 +235,13 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         teacher = open_teacher(args, run)
         check_tokenizers(run.training.get_tokenizer(), teacher.get_tokenizer())
         openings: dict[int, tuple[list[int], list[int]]] = {}
-        config = RolloutConfig(
-            group_size=args.group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,
-            max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
-        )
+        config = run_rollout_config(run, args.group_size)
         for step in run.progress():
             t0 = time.perf_counter()
             # ---- the student samples on its current weights
             sampler = run.training.save_weights_and_get_sampling_client()
             tasks = run.tasks(run.rng(step), args.batch_size)
-            groups = asyncio.run(rollout_groups(
-                run.envs, tasks, sampler, run.renderer, config,
-                seeds=[run.seed(step, "group", g) for g in range(len(tasks))],
-                concurrency=args.concurrency,
-            ))
+            groups = rollout_step(run, step, sampler, tasks, config)
             t1 = time.perf_counter()
 
             # ---- the teacher scores the student's tokens: one call per episode, on the
