@@ -477,7 +477,9 @@ class Run:
 
     args: RunArgs
     out: Path
-    steps: int  # total steps of the run, resumed or not
+    # Total steps of the run, resumed or not. A trainer that knows them only once the run is
+    # open (SFT: from the demonstrations it played) sets them before ``progress()``.
+    steps: int
     service: ServiceClient  # more clients of the same service (e.g. a teacher's sampler)
     training: TrainingClient
     resumed: Checkpoint | None  # the checkpoint this invocation continues

@@ -3,6 +3,8 @@ privileged context, and a real run that lowers the reverse KL."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from agent_gym.render import ChatRenderer
 from tests.helpers.chat_templates import smollm2_tokenizer
 from tests.helpers.grpo_toy import char_tokenizer, save_tiny_model
 from trainers.backends.local import LocalServiceClient
+from trainers.cli import register
 from trainers.episode import IGNORE_TARGET, Span, TokenSequence
 from trainers.opd import (
     PRIVILEGED_HEADER,
@@ -176,3 +179,22 @@ def test_opd_lowers_the_reverse_kl_to_its_teacher(tmp_path: Path, format_teacher
     after = first_token_reverse_kl(service.create_sampling_client("smollm2", student), teacher,
                                    prompts)
     assert before > 0.5 and after < 0.5 * before, (before, after)
+
+
+def test_opd_options_all_have_help() -> None:
+    assert all(spec.metadata.get("help") for spec in dataclasses.fields(Args))
+
+
+def test_cli_reports_an_incompatible_teacher_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    teacher = save_tiny_model(tmp_path / "char-teacher")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    command = parser.parse_args(["train", "opd", "--model", "tiny", "--lora-rank", "0",
+                                 "--teacher", f"local:{teacher}", "--no-privileged",
+                                 "--steps", "1", "--out", str(tmp_path / "run"),
+                                 "--no-progress"])
+    assert command.run(command) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("agent-gym train opd: error: the teacher's tokenizer differs")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -24,6 +25,7 @@ from trainers.sft import (
     Demonstration,
     demonstration_datums,
     oracle_demonstrations,
+    parse_args,
     play_demonstration,
     run_demonstrations,
     sft_datum,
@@ -148,3 +150,29 @@ def test_sft_raises_the_likelihood_of_heldout_demonstrations(tmp_path: Path) -> 
     demos = json.loads((tmp_path / "run" / "demonstrations.json").read_text())
     assert demos == {"found": 4, "used": 4, "dropped": {"unrewarded": 0, "too_long": 0},
                      "heldout": 2, "steps": 2}
+
+
+def test_sft_options_all_have_help_and_refuse_another_loss() -> None:
+    assert all(spec.metadata.get("help") for spec in dataclasses.fields(Args))
+    assert parse_args([]).loss == "cross_entropy"
+    with pytest.raises(SystemExit):
+        parse_args(["--loss", "importance_sampling"])  # SFT's objective is its own
+
+
+def test_sft_continues_a_run_into_the_same_out(tmp_path: Path) -> None:
+    """A second invocation with more epochs into the same --out continues from the
+    checkpoint: it runs only the new steps, and scores the held-out set before only once."""
+    train_path = split_file(tmp_path, "train.jsonl", "gsm8k_mini.jsonl", slice(0, 4))
+    heldout_path = split_file(tmp_path, "test.jsonl", "gsm8k_mini.jsonl", slice(40, 41))
+    args = Args(env_id="agent_gym/GSM8K-v0", env_kwargs={"data_path": train_path},
+                heldout_env_kwargs={"data_path": heldout_path}, model="tiny", lora_rank=0,
+                epochs=1, batch_size=2, save_every=1, out=str(tmp_path / "run"),
+                progress=False)
+    first = train(args)
+    assert [row["step"] for row in first] == [0, 1] and "heldout_nll_before" in first[0]
+    second = train(dataclasses.replace(args, epochs=2))
+    assert [row["step"] for row in second] == [2, 3]
+    assert not any("heldout_nll_before" in row for row in second)
+    assert "heldout_nll" in second[-1]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3]
