@@ -244,3 +244,24 @@ def test_replay_of_an_edited_state_keeps_the_sandbox_on(
             "isolation": "rlimits", "timeout": 10.0}
     finally:
         marker.unlink(missing_ok=True)
+
+
+def test_every_option_of_every_env_command_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each flag of each `agent-gym` command says what it does (train has its own test)."""
+    import argparse
+
+    from agent_gym.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += [(f"{name} {where}", a) for where, a in walk(sub)]
+            elif not isinstance(action, argparse._HelpAction):
+                found.append((parser.prog, action))
+        return found
+
+    missing = [f"{where}: {action.dest}" for where, action in walk(build_parser())
+               if not action.help]
+    assert missing == []

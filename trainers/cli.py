@@ -82,14 +82,16 @@ def _run_plot(args: argparse.Namespace) -> int:
 
 def _reporting(args: argparse.Namespace, name: str, main: Callable[[list[str]], int]) -> int:
     """A trainer's run, its user errors (a run directory of another run, a model that is
-    not there) printed as one line with exit status 2 unless ``agent-gym --debug``."""
+    not there, a PyTRIO session without credentials) printed as one line with exit status 2
+    unless ``agent-gym --debug``."""
+    from trainers.backends.pytrio import BackendError
     from trainers.models import ModelSpecError
     from trainers.run import RunConfigError
     from trainers.store import StoreError
 
     try:
         return main(args.argv)
-    except (RunConfigError, ModelSpecError, StoreError) as err:
+    except (RunConfigError, ModelSpecError, StoreError, BackendError) as err:
         if getattr(args, "debug", False):
             raise
         print(f"agent-gym train {name}: error: {' '.join(str(err).split())}", file=sys.stderr)

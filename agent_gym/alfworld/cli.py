@@ -22,12 +22,15 @@ def register(subparsers: Any) -> None:
         "Writes OUT_DIR/<split>/<task>/<trial>/{game.tw-pddl,traj_data.json}, ALFWorld's "
         "layout, usable as ALFWorld-v0's data_path. About 1-3 s per game.",
     )
-    generate.add_argument("out_dir", type=Path)
-    generate.add_argument("--split", nargs="+", choices=SPLITS, default=["train"])
-    generate.add_argument("--per-type", type=int, default=10, help="games per task type")
+    generate.add_argument("out_dir", type=Path, help="where the games are written")
+    generate.add_argument("--split", nargs="+", choices=SPLITS, default=["train"],
+                          help="splits to write (default: train)")
+    generate.add_argument("--per-type", type=int, default=10,
+                          help="games per task type (default: 10)")
     generate.add_argument("--task-types", nargs="+", default=None, metavar="TYPE",
                           help=f"names or ids 1-6 of {', '.join(TASK_TYPES)} (default: all)")
-    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--seed", type=int, default=0,
+                          help="seed of the layouts and goals (default: 0)")
     generate.add_argument("--strip", action="store_true",
                           help="leave the domain and grammar out (ALFWorld-v0 fills them in)")
     generate.set_defaults(run=_generate)

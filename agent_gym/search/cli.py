@@ -44,17 +44,20 @@ def register(subparsers: Any) -> None:
     index.add_argument("--force", action="store_true", help="replace an existing index")
     index.set_defaults(run=_reporting(_index))
 
-    serve = commands.add_parser("serve", help="serve an index over POST /retrieve")
-    serve.add_argument("index_dir")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve = commands.add_parser("serve", help="serve an index over POST /retrieve",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("index_dir", help="an index directory made by `agent-gym search index`")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback only "
+                       "unless you give another)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--topk", type=int, default=3, help="topk when a request gives none")
     serve.set_defaults(run=_reporting(_serve))
 
-    query = commands.add_parser("query", help="search an index directory or a server URL")
+    query = commands.add_parser("query", help="search an index directory or a server URL",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     query.add_argument("index", help="an index directory or http://host:port of a server")
     query.add_argument("text", nargs="+", help="one or more queries")
-    query.add_argument("--topk", type=int, default=3)
+    query.add_argument("--topk", type=int, default=3, help="passages per query")
     query.add_argument("--json", action="store_true", help="print JSON lines")
     query.set_defaults(run=_reporting(_query))
 
