@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train grpo``, ``train tempo`` and ``train plot`` to the ``agent-gym`` command line."""
+    """Add ``train grpo``, ``train tempo``, ``train sft``, ``train opd`` and ``train plot`` to
+    the ``agent-gym`` command line."""
     train = subparsers.add_parser("train", help="train a policy on an agent_gym environment")
     trainers = train.add_subparsers(dest="trainer", required=True)
     # No option prefix this parser knows: every argument, --help included, is passed on.
@@ -29,6 +30,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     tempo.add_argument("argv", nargs="*")
     tempo.set_defaults(run=_run_tempo)
+    sft = trainers.add_parser(
+        "sft", help="SFT on demonstrations (see `agent-gym train sft --help`)", add_help=False,
+        prefix_chars="\0",
+    )
+    sft.add_argument("argv", nargs="*")
+    sft.set_defaults(run=_run_sft)
+    opd = trainers.add_parser(
+        "opd", help="on-policy distillation (see `agent-gym train opd --help`)",
+        add_help=False, prefix_chars="\0",
+    )
+    opd.add_argument("argv", nargs="*")
+    opd.set_defaults(run=_run_opd)
     plot = trainers.add_parser(
         "plot", help="plot a training run's metrics to RUN_DIR/metrics.png", add_help=False,
         prefix_chars="\0",
@@ -47,6 +60,18 @@ def _run_tempo(args: argparse.Namespace) -> int:
     from trainers.tempo import main
 
     return _reporting(args, "tempo", main)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from trainers.sft import main
+
+    return _reporting(args, "sft", main)
+
+
+def _run_opd(args: argparse.Namespace) -> int:
+    from trainers.opd import main
+
+    return _reporting(args, "opd", main)
 
 
 def _run_plot(args: argparse.Namespace) -> int:

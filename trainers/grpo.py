@@ -15,7 +15,6 @@ stopped run) is in ``trainers.run``.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ import numpy as np
 from pytrio import Datum
 
 from trainers.episode import build_datum
-from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
+from trainers.rollout import rollout_metrics, rollout_step, run_rollout_config
 from trainers.run import (
     OUT_HELP,
     Metrics,
@@ -72,10 +71,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     history: list[Metrics] = []
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
-        config = RolloutConfig(
-            group_size=args.group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,
-            max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
-        )
+        config = run_rollout_config(run, args.group_size)
         for step in run.progress():
             t0 = time.perf_counter()
             # ---- a fresh sampler on the current weights
@@ -84,11 +80,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
 
             # ---- rollouts: batch_size tasks x group_size branches
             tasks = run.tasks(run.rng(step), args.batch_size)
-            groups = asyncio.run(rollout_groups(
-                run.envs, tasks, sampler, run.renderer, config,
-                seeds=[run.seed(step, "group", g) for g in range(len(tasks))],
-                concurrency=args.concurrency,
-            ))
+            groups = rollout_step(run, step, sampler, tasks, config)
             t2 = time.perf_counter()
 
             # ---- advantages and datums; groups without signal are skipped

@@ -37,7 +37,7 @@ from pytrio.types import SampleSequence
 
 from agent_gym.render import ChatRenderer, Conversation
 from trainers.episode import Episode, ResumePoint, TokenSequence
-from trainers.run import EnvFactory, Metrics, Sampler, derive_seed
+from trainers.run import EnvFactory, Metrics, Run, Sampler, derive_seed
 
 Start = Mapping[str, Any] | ResumePoint | None  # a group's reset options, or where to resume
 
@@ -171,6 +171,32 @@ async def rollout_groups(
 
     pairs = zip(starts, seeds, strict=True)
     return list(await asyncio.gather(*(one(start, seed) for start, seed in pairs)))
+
+
+def run_rollout_config(run: Run, group_size: int) -> RolloutConfig:
+    """The budgets a run's arguments set for its groups of ``group_size`` branches; the
+    turn budget is the run's (``--max-turns``, else the env's own)."""
+    args = run.args
+    if args.max_tokens is None:
+        raise ValueError("--max-tokens is left to its device default: fill it first "
+                         "(trainers.run.device_defaults)")
+    return RolloutConfig(
+        group_size=group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,
+        max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
+    )
+
+
+def rollout_step(
+    run: Run, step: int, sampler: Sampler, starts: Sequence[Start], config: RolloutConfig,
+    *, purpose: str = "group",
+) -> list[list[Episode]]:
+    """A step's groups on the run's env pool and renderer, group ``g`` seeded by
+    ``(step, purpose, g)`` so a continued run draws what an uninterrupted one would."""
+    return asyncio.run(rollout_groups(
+        run.envs, starts, sampler, run.renderer, config,
+        seeds=[run.seed(step, purpose, g) for g in range(len(starts))],
+        concurrency=run.args.concurrency,
+    ))
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> Metrics:

@@ -77,11 +77,17 @@ class Sampler(Protocol):
 
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]: ...
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase: ...
+
 
 class TrainingClient(Protocol):
     """What a run needs from a training client (pytrio's or the local one)."""
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    def forward(
+        self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, object] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def forward_backward(
         self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, object] | None = None
@@ -104,6 +110,8 @@ class ServiceClient(Protocol):
     ) -> TrainingClient: ...
 
     def create_training_client_from_state_with_optimizer(self, path: str) -> TrainingClient: ...
+
+    def create_sampling_client(self, base_model: str, model_path: str | None = None) -> Sampler: ...
 
 
 @runtime_checkable
@@ -249,6 +257,9 @@ class RunArgs:
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
         "batch_size": (2, 8), "max_tokens": (256, 512),
     }
+    # The losses ``--loss`` may name: a trainer with another objective (SFT's cross_entropy)
+    # declares its own, and ``Run.update`` sends whichever ``--loss`` says.
+    LOSSES: ClassVar[tuple[str, ...]] = LOSSES
     # What a run is: a continued run may change anything else (it is reported), not these.
     IDENTITY: ClassVar[tuple[str, ...]] = ("env_id", "env_kwargs", "model", "lora_rank",
                                             "backend")
@@ -257,7 +268,7 @@ class RunArgs:
         """What is wrong with these arguments (empty: nothing); trainers extend the list."""
         checks = [
             (self.backend not in BACKENDS, f"--backend must be one of {BACKENDS}"),
-            (self.loss not in LOSSES, f"--loss must be one of {LOSSES}"),
+            (self.loss not in self.LOSSES, f"--loss must be one of {self.LOSSES}"),
             (self.backend == "pytrio" and self.lora_rank < 1,
              "pytrio trains LoRA adapters only: --lora-rank must be positive"),
             (self.temperature != 1.0,
@@ -313,7 +324,7 @@ class RunConfigError(ValueError):
 def options_parser(
     args_type: type[RunArgs], prog: str, description: str, *, explicit_only: bool = False
 ) -> argparse.ArgumentParser:
-    """``--field-name`` for every field: booleans as ``--x/--no-x``, ``env_kwargs`` as JSON,
+    """``--field-name`` for every field: booleans as ``--x/--no-x``, dicts as JSON objects,
     numbers typed by their annotation (``int | None`` defaults to None), the rest strings.
 
     With ``explicit_only`` every default is left out of the namespace, so parsing tells
@@ -333,7 +344,7 @@ def options_parser(
         if kind == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
-        elif spec.name == "env_kwargs":
+        elif kind.startswith("dict"):
             parser.add_argument(flag, type=_json_object, default=default, metavar="JSON",
                                 help=help_text)
         elif spec.name == "ray":
@@ -466,7 +477,10 @@ class Run:
 
     args: RunArgs
     out: Path
-    steps: int  # total steps of the run, resumed or not
+    # Total steps of the run, resumed or not. A trainer that knows them only once the run is
+    # open (SFT: from the demonstrations it played) sets them before ``progress()``.
+    steps: int
+    service: ServiceClient  # more clients of the same service (e.g. a teacher's sampler)
     training: TrainingClient
     resumed: Checkpoint | None  # the checkpoint this invocation continues
     renderer: ChatRenderer
@@ -604,7 +618,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     _keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
     num_tasks, env_turns = describe_env(args.env_id, args.env_kwargs)
     return Run(
-        args=args, out=out, steps=steps, training=training, resumed=resumed,
+        args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),
         envs=EnvPool(env_factory(args.env_id, args.env_kwargs, args.ray)),
         num_tasks=num_tasks,

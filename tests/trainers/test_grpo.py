@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import grpo_toy
-from trainers import grpo
+from trainers import rollout
 from trainers.cli import register
 from trainers.episode import Episode
 from trainers.grpo import Args, parse_args, train
@@ -102,13 +102,13 @@ def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(
     """Search-v0 allows 6 replies; GRPO without --max-turns gives each episode all 6 (the
     toy model's replies are invalid searches, so episodes run until the env truncates)."""
     budgets: list[int] = []
-    real = grpo.rollout_groups
+    real = rollout.rollout_groups
 
     async def recording(*args: Any, **kwargs: Any) -> list[list[Episode]]:
         budgets.append(args[4].max_turns)
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(grpo, "rollout_groups", recording)
+    monkeypatch.setattr(rollout, "rollout_groups", recording)  # as GRPO's steps call it
     args = parse_args(["--env-id", "agent_gym/Search-v0", "--model", toy_model, "--lora-rank",
                        "0", "--steps", "1", "--batch-size", "1", "--group-size", "4",
                        "--max-tokens", "64", "--out", str(tmp_path / "six"), "--no-progress"])

@@ -155,9 +155,9 @@ def test_a_lora_only_service_refuses_full_fine_tuning(model: str, tmp_path: Path
 def test_every_option_has_help_with_its_default_and_the_real_command_name(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from trainers import grpo, tempo
+    from trainers import grpo, opd, sft, tempo
 
-    for module, name in ((grpo, "grpo"), (tempo, "tempo")):
+    for module, name in ((grpo, "grpo"), (tempo, "tempo"), (sft, "sft"), (opd, "opd")):
         with pytest.raises(SystemExit):
             module.parse_args(["--help"])
         text = capsys.readouterr().out
@@ -169,7 +169,7 @@ def test_every_option_has_help_with_its_default_and_the_real_command_name(
         for spec in dataclasses.fields(module.Args):
             flag = "--" + spec.name.replace("_", "-")
             assert flag in flat and spec.metadata.get("help"), flag
-        assert "(default: importance_sampling)" in flat and "{local,pytrio}" in flat
+        assert f"(default: {module.Args.loss})" in flat and "{local,pytrio}" in flat
 
 
 def test_a_bare_ray_means_a_local_ray_as_in_eval() -> None:
