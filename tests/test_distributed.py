@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import gymnasium
@@ -68,9 +69,16 @@ def test_a_killed_actor_is_reported_replaced_and_its_episode_truncated() -> None
     try:
         vec.reset(seed=0)
         ray.kill(vec.actors[1])
-        # ray.kill is asynchronous: wait until the actor is really gone before stepping.
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(vec.actors[1].spaces.remote(), timeout=30)
+        # ray.kill is asynchronous (a call sent at once may still be answered): wait until
+        # the actor is really gone before stepping.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                ray.get(vec.actors[1].spaces.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "the killed actor kept answering"
+            time.sleep(0.1)
         _, _, terminated, truncated, infos = vec.step(["thinking", "thinking"])
         assert list(truncated) == [False, True] and not terminated.any()
         assert infos["actor_died"][1] and not infos["actor_died"][0]

@@ -200,6 +200,7 @@ def _run_cell(code: str, namespace: dict, index: int) -> tuple[str, str]:
 # every capability before it is handed any code (see ``_isolate``).
 _NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+_MS_BIND, _MNT_DETACH = 0x1000, 0x2
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 1, 24, 38, 47
 _PR_CAP_AMBIENT_CLEAR_ALL, _CAPABILITY_VERSION_3, _SIGKILL = 4, 0x20080522, 9
 # Landlock's syscalls have the same numbers on every architecture; ABI 6 added scopes.
@@ -296,8 +297,22 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
     check(libc.unshare(private), "unshare")
     check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
     tmpfs = f"size={config['tmp_bytes']},mode=0755".encode()
-    for target in (b"/tmp", b"/dev/shm"):
-        check(libc.mount(b"tmpfs", target, b"tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs), "tmpfs")
+    # The interpreter's own files can live under /tmp (a checkout or venv there, bound
+    # read-only into the sandbox); the fresh /tmp would hide them, and every module not
+    # imported yet would be gone. The server's /tmp is parked on /dev/shm, those trees are
+    # bound back into the new /tmp (binds of read-only binds: read-only), and the park goes.
+    trees = _interpreter_trees_under_tmp()
+    if trees:
+        check(libc.mount(b"/tmp", b"/dev/shm", None, _MS_BIND | _MS_REC, None), "park /tmp")
+    check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs), "tmpfs")
+    for tree in trees:
+        os.makedirs(tree, exist_ok=True)
+        parked = "/dev/shm" + tree.removeprefix("/tmp")
+        check(libc.mount(parked.encode(), tree.encode(), None, _MS_BIND | _MS_REC, None),
+              "bind the interpreter back")
+    if trees:
+        check(libc.umount2(b"/dev/shm", _MNT_DETACH), "unpark /tmp")
+    check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs), "tmpfs")
     proc_flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     check(libc.mount(b"proc", b"/proc", b"proc", proc_flags, None), "mount /proc")
     check(libc.unshare(_NEWUSER), "unshare user")
@@ -309,6 +324,16 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
     if kernel.landlock_scopes:
         kernel.scope()
     os.chdir("/tmp")  # the new tmpfs, not the server's read-only directory beneath it
+
+
+def _interpreter_trees_under_tmp() -> list[str]:
+    """The outermost directories under /tmp that hold this interpreter's modules."""
+    found: list[str] = []
+    for path in sorted({sys.prefix, sys.exec_prefix, sys.base_prefix, *sys.path}):
+        inside = any(path == t or path.startswith(t + "/") for t in found)
+        if path.startswith("/tmp/") and os.path.isdir(path) and not inside:
+            found.append(path)
+    return found
 
 
 def _child_limits(config: dict, baseline: int) -> None:
