@@ -200,7 +200,10 @@ def _run_cell(code: str, namespace: dict, index: int) -> tuple[str, str]:
 # every capability before it is handed any code (see ``_isolate``).
 _NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
-_MS_BIND, _MNT_DETACH = 0x1000, 0x2
+_MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_RELATIME, _MNT_DETACH = 0x1, 0x20, 0x1000, 0x200000, 0x2
+# statvfs flags that are also mount flags, bit for bit (rdonly, nosuid, nodev, noexec,
+# noatime, nodiratime); relatime has a bit of its own in each.
+_KEPT_MOUNT_FLAGS, _ST_RELATIME = 0x1 | 0x2 | 0x4 | 0x8 | 0x400 | 0x800, 0x1000
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 1, 24, 38, 47
 _PR_CAP_AMBIENT_CLEAR_ALL, _CAPABILITY_VERSION_3, _SIGKILL = 4, 0x20080522, 9
 # Landlock's syscalls have the same numbers on every architecture; ABI 6 added scopes.
@@ -300,7 +303,9 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
     # The interpreter's own files can live under /tmp (a checkout or venv there, bound
     # read-only into the sandbox); the fresh /tmp would hide them, and every module not
     # imported yet would be gone. The server's /tmp is parked on /dev/shm, those trees are
-    # bound back into the new /tmp (binds of read-only binds: read-only), and the park goes.
+    # bound back into the new /tmp and made read-only (a bind is writable whatever its
+    # source: without the remount, model code could write into the host's venv), and the
+    # park goes.
     trees = _interpreter_trees_under_tmp()
     if trees:
         check(libc.mount(b"/tmp", b"/dev/shm", None, _MS_BIND | _MS_REC, None), "park /tmp")
@@ -310,6 +315,11 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
         parked = "/dev/shm" + tree.removeprefix("/tmp")
         check(libc.mount(parked.encode(), tree.encode(), None, _MS_BIND | _MS_REC, None),
               "bind the interpreter back")
+        kept = os.statvfs(parked).f_flag
+        flags = (kept & _KEPT_MOUNT_FLAGS) | (_MS_RELATIME if kept & _ST_RELATIME else 0)
+        check(libc.mount(None, tree.encode(), None,
+                         _MS_REMOUNT | _MS_BIND | _MS_RDONLY | flags, None),
+              "make the interpreter read-only")
     if trees:
         check(libc.umount2(b"/dev/shm", _MNT_DETACH), "unpark /tmp")
     check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs), "tmpfs")
@@ -327,12 +337,15 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
 
 
 def _interpreter_trees_under_tmp() -> list[str]:
-    """The outermost directories under /tmp that hold this interpreter's modules."""
+    """The outermost mounts under /tmp in this sandbox: what bwrap bound there (the venv or
+    checkout the interpreter reads), to be seen by a child exactly as by the server."""
+    with open("/proc/self/mountinfo", encoding="utf-8") as handle:
+        points = sorted({line.split()[4] for line in handle})
     found: list[str] = []
-    for path in sorted({sys.prefix, sys.exec_prefix, sys.base_prefix, *sys.path}):
-        inside = any(path == t or path.startswith(t + "/") for t in found)
-        if path.startswith("/tmp/") and os.path.isdir(path) and not inside:
-            found.append(path)
+    for point in points:
+        inside = any(point.startswith(tree + "/") for tree in found)
+        if point.startswith("/tmp/") and not inside:
+            found.append(point)
     return found
 
 
