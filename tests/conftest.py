@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import agent_gym  # noqa: F401
+from agent_gym.sandbox.process import nursery_pid
 
 # One torch thread per test process: the local backend's default takes the free cores, and
 # on a loaded 2-core machine two threads ran up to 13x slower than one.
@@ -107,8 +108,15 @@ def _pids() -> list[int]:
 
 
 def _own_nursery_namespaces() -> set[str]:
-    """The pid namespaces this process's threads fork into: their init is its nursery."""
+    """The pid namespaces this process's threads fork into: their init is its nursery.
+
+    The thread that made the nursery may have ended (a worker thread of a pool), so the
+    nursery the sandbox module holds is asked for its namespace too."""
     namespaces = set()
+    pid = nursery_pid()
+    if pid is not None:
+        with contextlib.suppress(OSError):  # it ended meanwhile
+            namespaces.add(os.readlink(f"/proc/{pid}/ns/pid"))
     for tid in os.listdir("/proc/self/task"):
         try:
             namespaces.add(os.readlink(f"/proc/self/task/{tid}/ns/pid_for_children"))

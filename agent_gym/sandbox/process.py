@@ -154,6 +154,12 @@ def enter_nursery() -> None:
         os.close(me)
 
 
+def nursery_pid() -> int | None:
+    """The pid of this process's live nursery (the init of its sandboxes' pid namespace),
+    if it has one: a process-leak check must not count it, it lives as long as we do."""
+    return _nursery.pid if _nursery is not None and _nursery.poll() is None else None
+
+
 def reaper() -> _DaemonThread:
     return _daemon("reaper")
 
