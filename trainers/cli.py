@@ -8,76 +8,38 @@ prints the trainer's own help.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import sys
 from collections.abc import Callable
 
+# Each subcommand: its help line and the module whose ``main(argv)`` runs it. The modules
+# import torch, so they are imported only when their command runs.
+COMMANDS = {
+    "grpo": ("GRPO", "trainers.grpo"),
+    "tempo": ("TEMPO", "trainers.tempo"),
+    "sft": ("SFT on demonstrations", "trainers.sft"),
+    "opd": ("on-policy distillation", "trainers.opd"),
+    "plot": ("plot a training run's metrics to RUN_DIR/metrics.png", "trainers.plot"),
+}
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train grpo``, ``train tempo``, ``train sft``, ``train opd`` and ``train plot`` to
-    the ``agent-gym`` command line."""
+    """Add ``train grpo|tempo|sft|opd|plot`` to the ``agent-gym`` command line."""
     train = subparsers.add_parser("train", help="train a policy on an agent_gym environment")
     trainers = train.add_subparsers(dest="trainer", required=True)
-    # No option prefix this parser knows: every argument, --help included, is passed on.
-    grpo = trainers.add_parser(
-        "grpo", help="GRPO (see `agent-gym train grpo --help`)", add_help=False,
-        prefix_chars="\0",
-    )
-    grpo.add_argument("argv", nargs="*")
-    grpo.set_defaults(run=_run_grpo)
-    tempo = trainers.add_parser(
-        "tempo", help="TEMPO (see `agent-gym train tempo --help`)", add_help=False,
-        prefix_chars="\0",
-    )
-    tempo.add_argument("argv", nargs="*")
-    tempo.set_defaults(run=_run_tempo)
-    sft = trainers.add_parser(
-        "sft", help="SFT on demonstrations (see `agent-gym train sft --help`)", add_help=False,
-        prefix_chars="\0",
-    )
-    sft.add_argument("argv", nargs="*")
-    sft.set_defaults(run=_run_sft)
-    opd = trainers.add_parser(
-        "opd", help="on-policy distillation (see `agent-gym train opd --help`)",
-        add_help=False, prefix_chars="\0",
-    )
-    opd.add_argument("argv", nargs="*")
-    opd.set_defaults(run=_run_opd)
-    plot = trainers.add_parser(
-        "plot", help="plot a training run's metrics to RUN_DIR/metrics.png", add_help=False,
-        prefix_chars="\0",
-    )
-    plot.add_argument("argv", nargs="*")
-    plot.set_defaults(run=_run_plot)
+    for name, (summary, module) in COMMANDS.items():
+        # No option prefix this parser knows: every argument, --help included, is passed on.
+        command = trainers.add_parser(
+            name, help=f"{summary} (see `agent-gym train {name} --help`)", add_help=False,
+            prefix_chars="\0",
+        )
+        command.add_argument("argv", nargs="*")
+        command.set_defaults(run=functools.partial(_run, name, module))
 
 
-def _run_grpo(args: argparse.Namespace) -> int:
-    from trainers.grpo import main
-
-    return _reporting(args, "grpo", main)
-
-
-def _run_tempo(args: argparse.Namespace) -> int:
-    from trainers.tempo import main
-
-    return _reporting(args, "tempo", main)
-
-
-def _run_sft(args: argparse.Namespace) -> int:
-    from trainers.sft import main
-
-    return _reporting(args, "sft", main)
-
-
-def _run_opd(args: argparse.Namespace) -> int:
-    from trainers.opd import main
-
-    return _reporting(args, "opd", main)
-
-
-def _run_plot(args: argparse.Namespace) -> int:
-    from trainers.plot import main
-
-    return main(args.argv)
+def _run(name: str, module: str, args: argparse.Namespace) -> int:
+    return _reporting(args, name, importlib.import_module(module).main)
 
 
 def _reporting(args: argparse.Namespace, name: str, main: Callable[[list[str]], int]) -> int:

@@ -10,10 +10,14 @@ ISOLATIONS: tuple[str, ...] = ("bwrap", "rlimits")
 NOBODY = 65534
 MAX_CODE_BYTES = 8 << 20
 
+# The sandbox's private writable directory, a fresh tmpfs per sandbox (per call in the
+# fork-server). Inside the sandbox it shadows the host's directory of the same name.
+SANDBOX_TMP = "/tmp"
+
 SANDBOX_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/tmp",
-    "TMPDIR": "/tmp",
+    "HOME": SANDBOX_TMP,
+    "TMPDIR": SANDBOX_TMP,
     "USER": "sandbox",
     "LANG": "C.UTF-8",
     "PYTHONHASHSEED": "0",  # set and dict-of-str orders must replay identically

@@ -18,6 +18,7 @@ from agent_gym.data import DataError, bundled
 from agent_gym.envs.code import PROTOCOLS
 from agent_gym.protocols import choose_protocol
 from agent_gym.sandbox import STATE_LOST
+from agent_gym.sandbox.config import SANDBOX_TMP
 
 ENV = "agent_gym/CodeInterpreter-v0"
 
@@ -341,7 +342,7 @@ def test_a_stateful_notebook_is_fresh_after_a_failure_in_the_episode_and_its_res
 
 def test_an_edited_state_cannot_switch_the_sandbox_off(make, tmp_path: Path) -> None:
     """Defect 9: isolation (and every other host setting) is the caller's, never a state's."""
-    marker = f"/tmp/agent-gym-escape-{tmp_path.name}"
+    marker = f"{SANDBOX_TMP}/agent-gym-escape-{tmp_path.name}"  # the host's, if unisolated
     env = make(reward_incorrect=-1.0)
     env.reset(seed=0)
     env.step(call(f"open({marker!r}, 'w').write('out')\nprint('written')"))

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from agent_gym.sandbox import Limits, SandboxError, StatelessSandbox, open_sandbox, runner
+from agent_gym.sandbox.config import SANDBOX_TMP
 from agent_gym.sandbox.forkserver import ForkServer
 from tests.helpers.procs import live_pids_of, marked, wait_until
 
@@ -50,9 +51,9 @@ def _ok(box: StatelessSandbox, code: str) -> str:
 LEAVE_TRACES = """
     import builtins, gc, json, math, os, random, resource, signal, subprocess, sys, threading
     import time, types
-    open('/tmp/left', 'w').write('x')
+    open('@TMP@/left', 'w').write('x')
     open('/dev/shm/left', 'w').write('x')
-    os.mkdir('/tmp/dir')
+    os.mkdir('@TMP@/dir')
     os.environ['LEFT'] = '1'
     os.putenv('LEFT_TOO', '1')
     math.sqrt = lambda x: 42
@@ -83,7 +84,7 @@ LEAVE_TRACES = """
 FIND_TRACES = """
     import builtins, gc, json, math, os, random, resource, signal, sys, threading
     found = []
-    found += [p for p in ('/tmp/left', '/dev/shm/left', '/tmp/dir') if os.path.exists(p)]
+    found += [p for p in ('@TMP@/left', '/dev/shm/left', '@TMP@/dir') if os.path.exists(p)]
     found += [k for k in ('LEFT', 'LEFT_TOO') if k in os.environ]
     if math.sqrt(4) != 2.0 or json.dumps is None:
         found.append('monkeypatched module')
@@ -97,7 +98,7 @@ FIND_TRACES = """
         found.append('blocked signals')
     if signal.alarm(0):
         found.append('pending alarm')
-    if os.getcwd() != '/tmp':
+    if os.getcwd() != '@TMP@':
         found.append('cwd ' + os.getcwd())
     if os.umask(0o022) != 0o022:
         found.append('umask')
@@ -118,6 +119,9 @@ FIND_TRACES = """
         found.append('SysV shared memory')
     print(found)
 """
+# The traces land in the sandbox's private writable directory, wherever it is.
+LEAVE_TRACES = LEAVE_TRACES.replace("@TMP@", SANDBOX_TMP)
+FIND_TRACES = FIND_TRACES.replace("@TMP@", SANDBOX_TMP)
 
 
 def test_a_call_leaves_nothing_for_the_next(box: StatelessSandbox) -> None:
@@ -135,7 +139,7 @@ def test_the_check_for_traces_can_fail(box: StatelessSandbox) -> None:
     both = textwrap.dedent(LEAVE_TRACES) + textwrap.dedent(FIND_TRACES)
     found = box.run(both)
     assert found.ok, found.observation()
-    for trace in ("/tmp/left", "LEFT", "monkeypatched", "SIGTERM", "blocked", "alarm", "umask"):
+    for trace in (f"{SANDBOX_TMP}/left", "LEFT", "monkeypatched", "SIGTERM", "blocked", "alarm", "umask"):
         assert trace in found.stdout, (trace, found.stdout)
 
 
@@ -145,9 +149,9 @@ def test_side_by_side_calls_cannot_reach_each_other(box: StatelessSandbox) -> No
         s = socket.socket(socket.AF_UNIX)
         s.bind('\\0agent-gym-side-by-side')
         s.listen()
-        open('/tmp/mine', 'w').write('a')
+        open('@TMP@/mine', 'w').write('a')
         time.sleep(6)
-    """
+    """.replace("@TMP@", SANDBOX_TMP)
     results = {}
     thread = threading.Thread(target=lambda: results.update(a=box.run(textwrap.dedent(listener))))
     thread.start()
@@ -164,12 +168,12 @@ def test_side_by_side_calls_cannot_reach_each_other(box: StatelessSandbox) -> No
             except ConnectionRefusedError:
                 time.sleep(0.05)
         print(seen, sorted(p for p in os.listdir('/proc') if p.isdigit()))
-        print(os.path.exists('/tmp/mine'))
+        print(os.path.exists('@TMP@/mine'))
         try:
             os.kill(-1, signal.SIGKILL)  # all it may signal: nothing, outside its own tree
         except ProcessLookupError:
             print('nothing to kill')
-    """
+    """.replace("@TMP@", SANDBOX_TMP)
     seen = _ok(box, probe).splitlines()
     thread.join()
     assert seen[0] == "blocked ['1']", seen
