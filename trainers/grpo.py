@@ -6,11 +6,31 @@
 Each step: take a sampler on the current weights; pick ``batch_size`` tasks; roll out
 ``group_size`` branches of each (multi-turn, token-continuous); advantage = reward minus the
 group's mean reward (optionally over its std); skip and count groups whose rewards are all
-equal (no learning signal); one ``forward_backward`` on every datum of the step and one
+equal (no learning signal); one forward-backward on every datum of the step and one
 ``optim_step``. Episodes play the env's own turn budget unless ``--max-turns`` says
 otherwise. Everything that is not GRPO (arguments every trainer takes, the training client,
 the env pool reused by every step, the update, metrics lines, checkpoints and continuing a
 stopped run) is in ``trainers.run``.
+
+The objective (``trainers.losses``), and why each option exists:
+
+* ``--loss importance_sampling`` (default) | ``ppo`` | ``cispo``: pytrio's own losses. ppo
+  clips the token ratio so a step cannot move far from the sampler; cispo (MiniMax-M1)
+  clips only the ratio's weight and keeps every token's gradient, so rare tokens that
+  matter ("wait", "recheck") are not silenced by the clip.
+* ``--loss gspo`` (GSPO): one ratio per episode, the geometric mean of its token ratios,
+  clipped as a whole: the reward is the episode's, so is the correction. Runs through
+  ``forward_backward_custom``, unchanged on both backends.
+* ``--clip-low``/``--clip-high`` (DAPO's clip-higher): ratios are clipped to
+  ``[1 - low, 1 + high]``; a higher upper bound lets unlikely good tokens grow, which keeps
+  exploration (entropy) from collapsing. Defaults per loss (see ``--help``).
+* ``--dynamic-sampling`` (DAPO): a degenerate group trains nothing, so a step whose groups
+  are mostly degenerate is a wasted, noisy step; with it, more tasks are rolled out until
+  ``batch_size`` groups have a signal or ``--max-refill-groups`` extra groups were drawn
+  (``refill_groups`` in the metrics says how many).
+* ``--loss-aggregation token-mean`` (pytrio's built-in; DAPO's token-level loss: long
+  replies get their full weight) | ``sequence-mean`` (GRPO's original: each episode weighs
+  the same; via ``forward_backward_custom``).
 """
 
 from __future__ import annotations
@@ -25,7 +45,7 @@ from typing import ClassVar
 import numpy as np
 from pytrio import Datum
 
-from trainers.episode import build_datum
+from trainers.episode import Episode, build_datum
 from trainers.rollout import rollout_metrics, rollout_step, run_rollout_config
 from trainers.run import (
     OUT_HELP,
@@ -48,6 +68,11 @@ class Args(RunArgs):
         None, "branches (episodes) per task; advantages are centred in it (default: 4 when the "
         "local backend runs on CPU, else 8)")
     normalize_std: bool = option(False, "divide advantages by the group's reward std")
+    dynamic_sampling: bool = option(
+        False, "DAPO's dynamic sampling: roll out more tasks until --batch-size groups have a "
+        "learning signal (rewards not all equal)")
+    max_refill_groups: int = option(
+        8, "with --dynamic-sampling: extra groups a step may roll out at most")
 
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
         **RunArgs.DEVICE_DEFAULTS, "group_size": (4, 8)}
@@ -56,6 +81,8 @@ class Args(RunArgs):
         return [*super().problems(),
                 *(["--steps and --group-size must be positive"]
                   if min(self.steps, 1 if self.group_size is None else self.group_size) < 1
+                  else []),
+                *(["--max-refill-groups must not be negative"] if self.max_refill_groups < 0
                   else [])]
 
     def branches_per_task(self) -> int:
@@ -79,18 +106,27 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             t1 = time.perf_counter()
 
             # ---- rollouts: batch_size tasks x group_size branches
-            tasks = run.tasks(run.rng(step), args.batch_size)
-            groups = rollout_step(run, step, sampler, tasks, config)
+            rng = run.rng(step)
+            groups = rollout_step(run, step, sampler, run.tasks(rng, args.batch_size), config)
+            # ---- dynamic sampling: refill the degenerate groups (rewards all equal) with
+            #      more tasks, up to max_refill_groups extra groups
+            refills = 0
+            while args.dynamic_sampling and refills < args.max_refill_groups:
+                missing = args.batch_size - sum(not degenerate(g) for g in groups)
+                if missing <= 0:
+                    break
+                more = min(missing, args.max_refill_groups - refills)
+                groups += rollout_step(run, step, sampler, run.tasks(rng, more), config,
+                                       purpose=f"refill-{refills}")
+                refills += more
             t2 = time.perf_counter()
 
             # ---- advantages and datums; groups without signal are skipped
             datums: list[Datum] = []
-            degenerate = 0
             for group in groups:
-                rewards = np.array([episode.reward for episode in group])
-                if np.ptp(rewards) == 0:
-                    degenerate += 1
+                if degenerate(group):
                     continue
+                rewards = np.array([episode.reward for episode in group])
                 advantages = rewards - rewards.mean()
                 if args.normalize_std:
                     advantages /= rewards.std() + 1e-6
@@ -102,15 +138,22 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             t3 = time.perf_counter()
 
             # ---- metrics, then checkpoint (so a step counted done always has its line)
+            skipped = sum(degenerate(g) for g in groups)
             row = {"step": step, **rollout_metrics([e for g in groups for e in g]),
-                   "groups": len(groups), "degenerate_groups": degenerate,
-                   "degenerate_rate": degenerate / len(groups), **trained,
+                   "groups": len(groups), "degenerate_groups": skipped,
+                   "degenerate_rate": skipped / len(groups), "refill_groups": refills,
+                   **trained,
                    "time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
                    "time_step": time.perf_counter() - t0}
             run.finish(step, row, shown={"reward": round(row["reward_mean"], 3),
-                                         "degenerate": degenerate})
+                                         "degenerate": skipped})
             history.append(row)
     return history
+
+
+def degenerate(group: Sequence[Episode]) -> bool:
+    """A group whose rewards are all equal: every advantage is 0, nothing to learn."""
+    return len({episode.reward for episode in group}) <= 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,13 +48,15 @@ from agent_gym.core import describe_env
 from agent_gym.render import ChatRenderer
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import active_tokens
+from trainers.losses import AGGREGATIONS, POLICY_LOSSES, TOKEN_MEAN, Objective
+from trainers.losses import problems as loss_problems
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from trainers.store import StateStore
 
-LOSSES = ("importance_sampling", "ppo")
+LOSSES = POLICY_LOSSES
 CHECKPOINT_FILE = "checkpoint.json"
 METRICS_FILE = "metrics.jsonl"
 IDLE_WARNING = 3  # steps in a row that trained nothing before the run warns
@@ -91,6 +93,11 @@ class TrainingClient(Protocol):
 
     def forward_backward(
         self, data: list[Datum], loss_fn: str, loss_fn_config: dict[str, object] | None = None
+    ) -> APIFuture[ForwardBackwardOutput]: ...
+
+    def forward_backward_custom(
+        self, data: list[Datum], loss_fn: Callable[..., Any],
+        loss_fn_config: dict[str, object] | None = None,
     ) -> APIFuture[ForwardBackwardOutput]: ...
 
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]: ...
@@ -238,8 +245,20 @@ class RunArgs:
         None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")
     grad_clip_norm: float = option(1.0, "gradient norm clip")
-    loss: str = option("importance_sampling", "policy-gradient loss", LOSSES)
-    ppo_clip: float = option(0.2, "with --loss ppo: clip ratios to 1 +- this")
+    loss: str = option(
+        "importance_sampling", "policy-gradient loss: importance_sampling, ppo and cispo are "
+        "pytrio's own; gspo (sequence-level ratio) runs through forward_backward_custom",
+        LOSSES)
+    loss_aggregation: str = option(
+        TOKEN_MEAN, "token-mean (pytrio's built-in: every trained token of the batch weighs "
+        "the same) or sequence-mean (every episode weighs the same; via "
+        "forward_backward_custom)", AGGREGATIONS)
+    clip_low: float | None = option(
+        None, "ppo/cispo/gspo: clip ratios below 1 - this (default: ppo 0.2, cispo 1.0 = no "
+        "lower clip, gspo 3e-4)")
+    clip_high: float | None = option(
+        None, "ppo/cispo/gspo: clip ratios above 1 + this (default: ppo 0.2, cispo 3.0, "
+        "gspo 4e-4; DAPO's clip-higher raises ppo's to 0.28)")
     max_turns: int | None = option(None, "replies per episode (default: the env's own budget)")
     max_tokens: int | None = option(
         None, "tokens per reply; a reply cut there ends its episode (default: 256 when the "
@@ -269,6 +288,8 @@ class RunArgs:
         checks = [
             (self.backend not in BACKENDS, f"--backend must be one of {BACKENDS}"),
             (self.loss not in self.LOSSES, f"--loss must be one of {self.LOSSES}"),
+            *((True, problem) for problem in loss_problems(
+                self.loss, self.loss_aggregation, self.clip_low, self.clip_high)),
             (self.backend == "pytrio" and self.lora_rank < 1,
              "pytrio trains LoRA adapters only: --lora-rank must be positive"),
             (self.temperature != 1.0,
@@ -488,7 +509,7 @@ class Run:
     num_tasks: int
     max_turns: int  # replies per episode: --max-turns, or the env's own budget
     adam: AdamParams
-    loss_config: dict[str, object] | None
+    objective: Objective
     idle_steps: int = 0  # steps in a row that trained nothing
     bar: tqdm | None = field(default=None, repr=False)
 
@@ -519,18 +540,18 @@ class Run:
         return [{"index": int(i)} for i in chosen]
 
     def update(self, datums: list[Datum]) -> Metrics:
-        """One ``forward_backward`` on the step's whole logical batch (pytrio normalises by
-        whole-batch totals) and one ``optim_step``; nothing when there are no datums.
-        Returns the update's part of the metrics line."""
+        """One forward-backward of the run's objective on the step's whole logical batch
+        (pytrio normalises by whole-batch totals) and one ``optim_step``; nothing when there
+        are no datums. Returns the update's part of the metrics line."""
         metrics: dict[str, float] = {}
         if datums:
-            result = self.training.forward_backward(datums, self.args.loss, self.loss_config)
-            metrics = dict(result.result().metrics)
+            metrics = dict(self.objective.forward_backward(self.training, datums).result().metrics)
             metrics |= self.training.optim_step(self.adam).result().metrics
         return {
             "datums": len(datums), "trained_tokens": active_tokens(datums),
             "loss": metrics.get("loss_mean"), "loss_sum": metrics.get("loss_sum"),
             "grad_norm": metrics.get("grad_norm"),
+            **({"clip_fraction": metrics["clip_fraction"]} if "clip_fraction" in metrics else {}),
         }
 
     def finish(
@@ -624,8 +645,5 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
         num_tasks=num_tasks,
         max_turns=args.max_turns if args.max_turns is not None else env_turns,
         adam=AdamParams(learning_rate=args.learning_rate, grad_clip_norm=args.grad_clip_norm),
-        loss_config=(
-            {"clip_low_threshold": 1 - args.ppo_clip, "clip_high_threshold": 1 + args.ppo_clip}
-            if args.loss == "ppo" else None
-        ),
+        objective=Objective(args.loss, args.loss_aggregation, args.clip_low, args.clip_high),
     )

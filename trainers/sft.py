@@ -45,6 +45,7 @@ from pytrio import Datum
 
 from agent_gym.render import ChatRenderer, Conversation
 from trainers.episode import DatumError, TokenSequence, build_datum
+from trainers.losses import TOKEN_MEAN
 from trainers.run import (
     OUT_HELP,
     EnvFactory,
@@ -84,7 +85,9 @@ class Args(RunArgs):
     max_trajectory_tokens: int = option(
         4096, "tokens per demonstration, prompt included; longer ones are dropped (counted)")
     save_every: int = option(10, "checkpoint every N steps (and at the end)")
-    ppo_clip: float = option(0.2, UNUSED)
+    loss_aggregation: str = option(TOKEN_MEAN, UNUSED)
+    clip_low: float | None = option(None, UNUSED)
+    clip_high: float | None = option(None, UNUSED)
     max_turns: int | None = option(None, "not used by SFT: a demonstration plays to its end")
     max_tokens: int | None = option(None, UNUSED)
     concurrency: int = option(8, UNUSED)

@@ -6,7 +6,9 @@ responses. Only what lies beyond the network is replaced: the actor coordinators
 control plane. Every request they receive is encoded to MessagePack with pytrio's codec and
 decoded again with pytrio's protocol models (exactly what a server would parse), checked
 (e.g. every split request of a logical batch carries the same whole-batch totals), recorded,
-and then computed by the local backend so the answers are real.
+and then computed by the local backend so the answers are real. ``forward_backward_custom``
+needs nothing of its own here: pytrio's client runs it as a ``forward`` and a weighted
+``cross_entropy`` ``forward_backward`` (its ``_forward_backward_custom``), both served below.
 
 Coupled to pytrio 0.2.9's internals (coordinator and runtime hooks) on purpose: the point is
 to exercise pytrio's client code, which has no offline mode.
@@ -124,8 +126,7 @@ class FakeTrainingActor:
             "every request of a logical batch carries the same whole-batch totals"
         )
         assert total.total_samples == len(datums)
-        targets = [t for d in datums for t in d.loss_fn_inputs["target_tokens"].data]
-        assert total.total_active_tokens == sum(1 for t in targets if t != -100)
+        assert total.total_active_tokens == sum(_counted(item) for r in decoded for item in r.data)
         assert all(len(request.data) <= MAX_SAMPLES_PER_REQUEST for request in decoded)
         loss = decoded[0].loss
         run = self.trainer.forward_backward if event_type is EventType.TRAINER_FORWARD_BACKWARD \
@@ -135,9 +136,7 @@ class FakeTrainingActor:
         for request in decoded:
             part = output.loss_fn_outputs[start : start + len(request.data)]
             start += len(request.data)
-            counted = sum(
-                1 for item in request.data for t in item.target_ids if t != -100
-            )
+            counted = sum(_counted(item) for item in request.data)
             loss_sum = float(sum(sum(o["elementwise_loss"].data) for o in part))
             result = {
                 "loss_fn_outputs": [
@@ -293,12 +292,18 @@ class FakeServiceClient:
 
 
 def _datum(item: Any) -> Datum:
+    """The datum a wire item carries: cross_entropy's weights, or a policy loss's inputs."""
     tokens = [t for chunk in item.model_input.chunks for t in chunk.tokens]
-    return Datum(
-        model_input=ModelInput.from_ints(tokens),
-        loss_fn_inputs={
-            "target_tokens": np.asarray(item.target_ids, dtype=np.int64),
-            "logprobs": np.asarray(item.logprobs, dtype=np.float32),
-            "advantages": np.asarray(item.advantages, dtype=np.float32),
-        },
-    )
+    inputs = {"target_tokens": np.asarray(item.target_ids, dtype=np.int64)}
+    if item.weights is not None:
+        inputs["weights"] = np.asarray(item.weights, dtype=np.float32)
+    else:
+        inputs["logprobs"] = np.asarray(item.logprobs, dtype=np.float32)
+        inputs["advantages"] = np.asarray(item.advantages, dtype=np.float32)
+    return Datum(model_input=ModelInput.from_ints(tokens), loss_fn_inputs=inputs)
+
+
+def _counted(item: Any) -> int:
+    """Targets the service normalises by: not -100 and, with weights, weighted."""
+    weights = item.weights if item.weights is not None else [1.0] * len(item.target_ids)
+    return sum(1 for t, w in zip(item.target_ids, weights, strict=True) if t != -100 and w != 0)

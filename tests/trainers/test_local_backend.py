@@ -73,21 +73,34 @@ def hand_loss(model: torch.nn.Module, datums: list[Datum], loss_fn: str) -> tupl
             advantage = inputs["advantages"].data[i]
             if loss_fn == "importance_sampling":
                 total = total - ratio * advantage
-            else:  # ppo, thresholds 0.8 / 1.2
+            elif loss_fn == "ppo":  # thresholds 0.8 / 1.2
                 bounded = torch.clamp(ratio, 0.8, 1.2)
                 if bool(bounded * advantage < ratio * advantage):
                     clipped += 1
                     total = total - bounded * advantage
                 else:
                     total = total - ratio * advantage
+            elif loss_fn == "cispo":  # thresholds 0.9 / 1.5: a constant weight on the logprob
+                value = float(ratio.detach())
+                weight = min(max(value, 0.9), 1.5)
+                clipped += weight != value
+                total = total - weight * advantage * learner[i]
+            else:  # dro, beta 0.5
+                gap = learner[i] - inputs["logprobs"].data[i]
+                total = total - (learner[i] * advantage - 0.5 * 0.5 * gap**2)
     return total / counted, counted, clipped
 
 
-@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
+CONFIGS: dict[str, dict[str, object]] = {
+    "cispo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.5}, "dro": {"beta": 0.5},
+}
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo", "dro"])
 def test_loss_and_gradients_match_hand_computation(full: LocalTrainingClient, loss_fn: str) -> None:
     reference = copy.deepcopy(full.model).double()
     datums = make_datums(full.model)
-    output = full.forward_backward(datums, loss_fn).result()
+    output = full.forward_backward(datums, loss_fn, CONFIGS.get(loss_fn)).result()
 
     expected, counted, clipped = hand_loss(reference, datums, loss_fn)
     expected.backward()
@@ -95,7 +108,7 @@ def test_loss_and_gradients_match_hand_computation(full: LocalTrainingClient, lo
     assert output.metrics["token_count"] == counted == 6
     assert output.metrics["loss_mean"] == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
     assert output.metrics["loss_sum"] == pytest.approx(float(expected) * counted, rel=1e-5, abs=1e-6)
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "cispo"):
         assert clipped == 2  # the clip really was exercised
     grads = dict(reference.named_parameters())
     compared = 0
@@ -253,7 +266,11 @@ def test_checkpoint_round_trip_resumes_exactly(service: LocalServiceClient) -> N
 def test_bad_input_gets_clear_errors(full: LocalTrainingClient, service: LocalServiceClient) -> None:
     datums = make_datums(full.model)
     with pytest.raises(ValueError, match="not available locally"):
-        full.forward_backward(datums, "dro")
+        full.forward_backward(datums, "dpo")
+    with pytest.raises(ValueError, match="beta >= 0"):
+        full.forward_backward(datums, "dro", {"beta": -1.0})
+    with pytest.raises(ValueError, match="cispo needs"):
+        full.forward_backward(datums, "cispo", {"clip_high_threshold": 0.5})
     with pytest.raises(ValueError, match="no loss_fn_config keys"):
         full.forward_backward(datums, "importance_sampling", {"clip_low_threshold": 0.5})
     with pytest.raises(ValueError, match="clip_low_threshold"):

@@ -3,6 +3,7 @@
 ``LocalServiceClient`` stands where ``pytrio.ServiceClient`` stands, so every trainer runs
 and is tested offline on the same calls it makes against the service:
 ``create_lora_training_client`` -> ``forward_backward(datums, loss_fn, loss_fn_config)``,
+``forward_backward_custom(datums, loss_fn, loss_fn_config)`` (a loss written in torch),
 ``optim_step(AdamParams)``, ``save_weights_and_get_sampling_client()`` -> ``sample(...)``,
 ``compute_logprobs``, ``save_state`` / ``load_state(_with_optimizer)`` and
 ``create_training_client_from_state(_with_optimizer)``. Inputs and outputs are pytrio's own
@@ -39,7 +40,9 @@ import safetensors.torch
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from pytrio import AdamParams, Datum
+from pytrio.client.training import CustomLossFn, _invoke_custom_loss
 from pytrio.client.training_batch import plan_training_batch
+from pytrio.errors.base import ValidationError
 from pytrio.model.limits import TrainingLimits
 from pytrio.types import (
     APIFuture,
@@ -271,6 +274,66 @@ class LocalTrainingClient:
     ) -> APIFuture[ForwardBackwardOutput]:
         result = await asyncio.to_thread(self._run, data, loss_fn, loss_fn_config, auto_shift, True)
         return APIFuture.completed(result)
+
+    def forward_backward_custom(
+        self,
+        data: Sequence[Datum],
+        loss_fn: CustomLossFn,
+        loss_fn_config: dict[str, object] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        """A loss written in torch, run exactly as pytrio's client runs it.
+
+        ``loss_fn(data, logprobs[, loss_fn_config])`` gets the datums and, per datum, a
+        leaf tensor of the learner's target logprobs (0 where the target is ``-100``: only
+        trained positions are computed) and returns ``(scalar loss, metrics)``. As in
+        pytrio's ``TrainingClient._forward_backward_custom``: one ``forward``; the loss and
+        its gradient ``g`` with respect to those logprobs, here; then one
+        ``forward_backward`` of ``cross_entropy`` with weights ``-g``, whose parameter
+        gradient is ``g`` pushed through the model divided by that pass's token count (the
+        positions where ``g`` is nonzero). The metrics are that pass's, updated with the
+        loss's own. pytrio's own helper decides whether the config is passed.
+        """
+        return APIFuture.completed(self._run_custom(list(data), loss_fn, loss_fn_config))
+
+    async def forward_backward_custom_async(
+        self,
+        data: Sequence[Datum],
+        loss_fn: CustomLossFn,
+        loss_fn_config: dict[str, object] | None = None,
+    ) -> APIFuture[ForwardBackwardOutput]:
+        result = await asyncio.to_thread(self._run_custom, list(data), loss_fn, loss_fn_config)
+        return APIFuture.completed(result)
+
+    def _run_custom(
+        self, data: list[Datum], loss_fn: CustomLossFn, loss_fn_config: dict[str, object] | None
+    ) -> ForwardBackwardOutput:
+        if not data:
+            raise ValidationError("training data cannot be empty",
+                                  code="validation.empty_training_data")
+        scored = self._run(data, "cross_entropy", None, False, False)
+        logprobs = [
+            torch.tensor(out["logprobs"].data, dtype=torch.float32)
+            .reshape(out["logprobs"].shape).requires_grad_(True)
+            for out in scored.loss_fn_outputs
+        ]
+        loss, custom_metrics = _invoke_custom_loss(loss_fn, data, logprobs, loss_fn_config)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError("a custom loss must return (a scalar torch tensor, a metrics dict)")
+        loss.backward()
+        linear: list[Datum] = []
+        for datum, logprob in zip(data, logprobs, strict=True):
+            if logprob.grad is None:
+                raise ValidationError(
+                    "Custom loss output has no gradients. Ensure loss_fn returns a tensor "
+                    "with gradients.", code="validation.missing_custom_loss_gradient")
+            linear.append(Datum(
+                model_input=datum.model_input,
+                loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"],
+                                "weights": TensorData.from_torch(-logprob.grad.detach())},
+            ))
+        result = self._run(linear, "cross_entropy", None, False, True)
+        return ForwardBackwardOutput(loss_fn_outputs=result.loss_fn_outputs,
+                                     metrics={**result.metrics, **custom_metrics})
 
     def _run(
         self,
