@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import grpo_toy
-from trainers import rollout
+from trainers import grpo, rollout
 from trainers.cli import register
 from trainers.episode import Episode
 from trainers.grpo import Args, parse_args, train
@@ -57,6 +57,58 @@ def test_grpo_with_ppo_and_lora(toy_model: str, tmp_path: Path) -> None:
     trained = [row for row in history if row["datums"]]
     assert trained and all(row["loss"] is not None for row in trained)
     assert all(0 <= row["degenerate_rate"] <= 1 for row in history)
+
+
+@pytest.mark.parametrize("options", [
+    {"loss": "cispo"},
+    {"loss": "gspo"},
+    {"loss": "gspo", "loss_aggregation": "sequence-mean", "clip_low": 0.01, "clip_high": 0.02},
+    {"loss": "ppo", "loss_aggregation": "sequence-mean", "clip_high": 0.28},
+])
+def test_grpo_steps_with_each_loss(toy_model: str, tmp_path: Path, options: dict) -> None:
+    history = train(toy_args(toy_model, tmp_path, steps=2, batch_size=2, group_size=4,
+                             **options))
+    trained = [row for row in history if row["datums"]]
+    assert trained and all(row["loss"] is not None and row["grad_norm"] for row in trained)
+    custom = options["loss"] == "gspo" or "loss_aggregation" in options
+    assert all(("clip_fraction" in row) == custom for row in trained)
+
+
+def test_dynamic_sampling_refills_degenerate_groups(
+    toy_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Groups of 4 on the toy task are often degenerate (all fail): each step rolls out more
+    tasks until 2 groups have a signal, or the cap on extra groups is reached."""
+    calls: list[tuple[int, str]] = []
+    real = grpo.rollout_step
+
+    def recording(*args: Any, purpose: str = "group", **kwargs: Any) -> list[list[Episode]]:
+        calls.append((len(args[3]), purpose))  # the starts of this call
+        return real(*args, purpose=purpose, **kwargs)
+
+    monkeypatch.setattr(grpo, "rollout_step", recording)
+    settings = {"batch_size": 2, "group_size": 4}
+    history = train(toy_args(toy_model, tmp_path / "dapo", dynamic_sampling=True,
+                             max_refill_groups=8, steps=3, **settings))
+    for row in history:
+        assert row["groups"] == 2 + row["refill_groups"]
+        assert row["groups"] - row["degenerate_groups"] == 2, row  # the batch was filled
+        assert row["datums"] == 2 * 4
+    assert all(row["refill_groups"] for row in history), "every step here needs a refill"
+    firsts = [n for n, purpose in calls if purpose == "group"]
+    refills = [(n, purpose) for n, purpose in calls if purpose != "group"]
+    assert firsts == [2, 2, 2] and all(purpose.startswith("refill-") for _, purpose in refills)
+    assert sum(n for n, _ in refills) == sum(row["refill_groups"] for row in history)
+
+    # The cap holds: with 1 extra group the first step stays short of 2 trained groups.
+    capped = train(toy_args(toy_model, tmp_path / "capped", dynamic_sampling=True,
+                            max_refill_groups=1, steps=1, **settings))[0]
+    assert capped["refill_groups"] == 1 and capped["groups"] == 3
+    assert capped["groups"] - capped["degenerate_groups"] < 2
+    # Off, a step trains what its first draw gave: the same first draw.
+    plain = train(toy_args(toy_model, tmp_path / "plain", steps=1, **settings))[0]
+    assert plain["refill_groups"] == 0 and plain["groups"] == 2
+    assert plain["degenerate_groups"] >= 1 and plain["datums"] < 2 * 4  # what was refilled
 
 
 def test_resume_after_a_killed_run_matches_an_uninterrupted_one(
@@ -137,6 +189,16 @@ def test_cli_and_argument_errors() -> None:
         parse_args(["--loss", "dpo"])
     with pytest.raises(SystemExit):
         parse_args(["--group-size", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--loss-aggregation", "mean"])
+    with pytest.raises(SystemExit):
+        parse_args(["--clip-high", "0.3"])  # importance_sampling clips nothing
+    with pytest.raises(SystemExit):
+        parse_args(["--dynamic-sampling", "--max-refill-groups", "-1"])
+    parsed = parse_args(["--loss", "gspo", "--loss-aggregation", "sequence-mean",
+                         "--clip-low", "3e-4", "--clip-high", "4e-4", "--dynamic-sampling"])
+    assert (parsed.loss, parsed.loss_aggregation, parsed.clip_low, parsed.clip_high,
+            parsed.dynamic_sampling) == ("gspo", "sequence-mean", 3e-4, 4e-4, True)
     assert parse_args(["--env-kwargs", '{"max_turns": 3}']).env_kwargs == {"max_turns": 3}
     assert parse_args(["--max-turns", "3"]).max_turns == 3
 

@@ -51,7 +51,7 @@ def args_for(backend: str, model: str, out: Path, **overrides: object) -> Args:
     return Args(**(settings | overrides))
 
 
-@pytest.mark.parametrize("loss", ["importance_sampling", "ppo"])
+@pytest.mark.parametrize("loss", ["importance_sampling", "ppo", "cispo"])
 def test_same_trainer_same_numbers_on_pytrio_and_local(
     server: FakePytrioServer, tmp_path: Path, loss: str
 ) -> None:
@@ -71,13 +71,42 @@ def test_same_trainer_same_numbers_on_pytrio_and_local(
     assert any(len(group) > 1 for group in server.groups)  # ... which the SDK split
     assert all(len(r.data) <= MAX_SAMPLES_PER_REQUEST for g in server.groups for r in g)
     assert {r.loss.type for g in server.groups for r in g} == {loss}
-    if loss == "ppo":
+    if loss in ("ppo", "cispo"):  # cispo's default: a one-sided clip
         assert server.groups[0][0].loss.config == {
-            "clip_low_threshold": 0.8, "clip_high_threshold": 1.2,
+            "clip_low_threshold": 0.8 if loss == "ppo" else 0.0,
+            "clip_high_threshold": 1.2 if loss == "ppo" else 4.0,
         }
     # The first sampling call of every group asks for all its branches at once.
     assert any(request.num_samples == 4 for request in server.samples)
     assert server.count(EventType.TRAINER_SAVE_STATE) == 2
+
+
+@pytest.mark.parametrize("options", [
+    {"loss": "gspo"},
+    {"loss": "gspo", "loss_aggregation": "sequence-mean", "clip_low": 0.05, "clip_high": 0.1},
+    {"loss": "ppo", "loss_aggregation": "sequence-mean", "clip_high": 0.28},
+])
+def test_custom_losses_run_unchanged_on_pytrio(
+    server: FakePytrioServer, tmp_path: Path, options: dict
+) -> None:
+    """Losses pytrio lacks go through its client's own forward_backward_custom: a forward
+    for the logprobs, the loss here, a cross_entropy pass weighted by its gradient; the
+    local backend's forward_backward_custom gives the same numbers."""
+    remote = train(args_for("pytrio", MODEL_ID, tmp_path / "remote-run", **options),
+                   service=FakeServiceClient(server))
+    local = train(args_for("local", server.models[MODEL_ID], tmp_path / "local-run", **options),
+                  service=LocalServiceClient(checkpoint_dir=tmp_path / "local-ckpt"))
+    assert [r["reward_mean"] for r in remote] == [r["reward_mean"] for r in local]
+    assert [r["loss"] for r in remote] == pytest.approx([r["loss"] for r in local], abs=1e-6)
+    assert [r["clip_fraction"] for r in remote if r["datums"]] == pytest.approx(
+        [r["clip_fraction"] for r in local if r["datums"]])
+    trained_steps = sum(1 for r in remote if r["datums"])
+    assert trained_steps and server.count(EventType.TRAINER_OPTIMIZE_STEP) == trained_steps
+    # One forward and one forward_backward per trained step (split alike), cross_entropy.
+    assert len(server.groups) == 2 * trained_steps
+    assert server.count(EventType.TRAINER_FORWARD) == server.count(
+        EventType.TRAINER_FORWARD_BACKWARD) > trained_steps
+    assert {r.loss.type for g in server.groups for r in g} == {"cross_entropy"}
 
 
 def test_resume_from_a_remote_checkpoint(server: FakePytrioServer, tmp_path: Path) -> None:
