@@ -288,8 +288,6 @@ class RunArgs:
         checks = [
             (self.backend not in BACKENDS, f"--backend must be one of {BACKENDS}"),
             (self.loss not in self.LOSSES, f"--loss must be one of {self.LOSSES}"),
-            *((True, problem) for problem in loss_problems(
-                self.loss, self.loss_aggregation, self.clip_low, self.clip_high)),
             (self.backend == "pytrio" and self.lora_rank < 1,
              "pytrio trains LoRA adapters only: --lora-rank must be positive"),
             (self.temperature != 1.0,
@@ -301,7 +299,8 @@ class RunArgs:
              "positive"),
             (self.max_turns is not None and self.max_turns < 1, "--max-turns must be positive"),
         ]
-        return [message for failed, message in checks if failed]
+        return [*(message for failed, message in checks if failed),
+                *loss_problems(self.loss, self.loss_aggregation, self.clip_low, self.clip_high)]
 
     def branches_per_task(self) -> int:
         """Episodes rolled out per task in a step (a trainer with groups says how many)."""

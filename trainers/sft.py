@@ -85,9 +85,11 @@ class Args(RunArgs):
     max_trajectory_tokens: int = option(
         4096, "tokens per demonstration, prompt included; longer ones are dropped (counted)")
     save_every: int = option(10, "checkpoint every N steps (and at the end)")
-    loss_aggregation: str = option(TOKEN_MEAN, UNUSED)
-    clip_low: float | None = option(None, UNUSED)
-    clip_high: float | None = option(None, UNUSED)
+    loss_aggregation: str = option(
+        TOKEN_MEAN, "not used by SFT: cross_entropy is pytrio's mean over the batch's "
+        "demonstrated tokens")
+    clip_low: float | None = option(None, "not used by SFT: cross_entropy has no ratio to clip")
+    clip_high: float | None = option(None, "not used by SFT: cross_entropy has no ratio to clip")
     max_turns: int | None = option(None, "not used by SFT: a demonstration plays to its end")
     max_tokens: int | None = option(None, UNUSED)
     concurrency: int = option(8, UNUSED)
