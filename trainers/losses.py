@@ -108,7 +108,8 @@ def policy_loss(
     data: list[Datum], logprobs: list[torch.Tensor], config: dict[str, object]
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A custom loss (pytrio's ``CustomLossFn``): ``config`` names the ``loss``, the
-    ``aggregation`` and, for a clipped loss, ``clip_low_threshold``/``clip_high_threshold``.
+    ``aggregation`` and, for a clipped loss, ``clip_low_threshold``/``clip_high_threshold``
+    (default: the loss's own, ``CLIP_DEFAULTS``).
     Returns the objective scaled for pytrio's normalisation (module docstring) and metrics:
     ``loss_mean`` (the objective), ``loss_sum`` (its token terms added), ``token_count``
     (trained tokens) and ``clip_fraction`` (trained tokens whose ratio was clipped)."""
@@ -116,8 +117,10 @@ def policy_loss(
     if loss not in POLICY_LOSSES or aggregation not in AGGREGATIONS:
         raise ValueError(f"policy_loss computes {POLICY_LOSSES} with {AGGREGATIONS}, "
                          f"not {loss} with {aggregation}")
-    low = float(config.get("clip_low_threshold", 0.0))  # type: ignore[arg-type]
-    high = float(config.get("clip_high_threshold", 0.0))  # type: ignore[arg-type]
+    bounds = {"clip_low_threshold": 0.0, "clip_high_threshold": 0.0,
+              **(Objective(loss).thresholds() or {}), **config}  # unset: the loss's defaults
+    low = float(bounds["clip_low_threshold"])  # type: ignore[arg-type]
+    high = float(bounds["clip_high_threshold"])  # type: ignore[arg-type]
     sums, counts, clipped = [], [], []
     for datum, p in zip(data, logprobs, strict=True):
         inputs = datum.loss_fn_inputs

@@ -150,7 +150,7 @@ def test_forward_backward_custom_has_pytrio_surface(service: LocalServiceClient)
                                    torch.where(mask, learner, 0.0).detach(), rtol=1e-4,
                                    atol=1e-5)
         expected = expected + (learner[mask] ** 2).sum()
-    assert out.metrics["squared"] == pytest.approx(float(expected), rel=1e-4)
+    assert out.metrics["squared"] == pytest.approx(float(expected.detach()), rel=1e-4)
     assert out.metrics["token_count"] == 6  # the weighted pass: 6 trained positions
     (expected / 6).backward()
     grads = dict(reference.named_parameters())
@@ -198,5 +198,8 @@ def test_loss_option_problems() -> None:
     assert Objective("cispo").thresholds() == {"clip_low_threshold": 0.0,
                                                "clip_high_threshold": 4.0}
     assert Objective("importance_sampling").thresholds() is None
+    logprobs = [torch.tensor(p, requires_grad=True) for p in P]  # gspo's bounds by default
+    assert policy_loss(datums(), logprobs, {"loss": "gspo", "aggregation": "token-mean"}
+                       )[1]["clip_fraction"] == pytest.approx(3 / 5)
     assert Objective("ppo").built_in and not Objective("gspo").built_in
     assert not Objective("ppo", "sequence-mean").built_in
