@@ -51,7 +51,8 @@ from trainers.backends.local import LocalServiceClient, LocalTrainingClient
 from trainers.backends.losses import token_losses
 from trainers.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
 from trainers.backends.sampler import LocalSamplingClient
-from trainers.rollout import EnvPool, RolloutConfig, env_factory, rollout_groups
+from trainers.rollout import RolloutConfig, rollout_groups
+from trainers.run import EnvPool, env_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = {
