@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,10 +77,7 @@ class RescoreResult:
         }, indent=2, ensure_ascii=True)
 
 
-def rescore_run(
-    run: Run, host_kwargs: Mapping[str, Any] | None = None,
-    progress: Callable[[Rescored], None] | None = None,
-) -> RescoreResult:
+def rescore_run(run: Run, host_kwargs: Mapping[str, Any] | None = None) -> RescoreResult:
     """Replay every episode of ``run`` and score it again; one that fails is reported."""
     results = []
     new_records = []
@@ -90,8 +87,6 @@ def rescore_run(
         if result.error is None:
             new_records.append({**record, "reward": result.new_reward,
                                 "success": result.new_success, "end_reason": result.end_reason})
-        if progress is not None:
-            progress(result)
     first_error = next((r.error for r in results if r.error), None)
     rescored = summarize(run.config, new_records, len(results) - len(new_records), first_error)
     return RescoreResult(run.summary(), rescored, results)

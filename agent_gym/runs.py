@@ -31,6 +31,11 @@ SUMMARY_FILE = "summary.json"
 RESCORE_FILE = "rescore.json"
 
 EpisodeKey = tuple[str, str, int]
+# The fields of an episode line the figures are computed from, with their JSON types.
+EPISODE_FIELDS: dict[str, tuple[type, ...]] = {
+    "episode": (int,), "task_id": (str,), "reward": (int, float), "success": (bool,),
+    "turns": (int,), "latency_s": (int, float), "completion_tokens": (int, type(None)),
+}
 
 
 class RunDirError(ValueError):
@@ -76,7 +81,7 @@ def read_run(path: Path) -> Run:
     """The run in ``path``; ``RunDirError`` when it has no readable config."""
     config = _read_config(path / CONFIG_FILE)
     notes: list[str] = []
-    records = _read_jsonl(path / EPISODES_FILE, notes, required=("episode", "task_id"))
+    records = _read_jsonl(path / EPISODES_FILE, notes, required=EPISODE_FIELDS)
     by_number: dict[int, dict[str, Any]] = {}
     for record in records:
         number = record["episode"]
@@ -100,7 +105,7 @@ def read_run(path: Path) -> Run:
             notes.append(f"episode {number} repeats task {task[1]!r} rollout {rollout}; skipped")
             continue
         episodes[key] = record
-    errors = _read_jsonl(path / ERRORS_FILE, notes, required=("episode",))
+    errors = _read_jsonl(path / ERRORS_FILE, notes, required={"episode": (int,)})
     rescored = {
         int(item["episode"]): item
         for item in _read_rescore(path / RESCORE_FILE, notes)
@@ -133,8 +138,11 @@ def _read_config(path: Path) -> EvalConfig:
     return config
 
 
-def _read_jsonl(path: Path, notes: list[str], required: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Each whole, parseable line of ``path`` that is an object with ``required`` keys."""
+def _read_jsonl(
+    path: Path, notes: list[str], required: dict[str, tuple[type, ...]]
+) -> list[dict[str, Any]]:
+    """Each whole, parseable line of ``path`` that is an object with the ``required``
+    fields of their types (a bool is not taken for a number, nor a number for a bool)."""
     if not path.exists():
         return []
     records = []
@@ -150,16 +158,19 @@ def _read_jsonl(path: Path, notes: list[str], required: tuple[str, ...]) -> list
             except (json.JSONDecodeError, UnicodeDecodeError):
                 notes.append(f"{path.name}: line {number} is not JSON; skipped")
                 continue
-            if not isinstance(record, dict) or any(key not in record for key in required):
-                notes.append(f"{path.name}: line {number} lacks {', '.join(required)}; skipped")
-                continue
-            if "episode" in record and (
-                not isinstance(record["episode"], int) or isinstance(record["episode"], bool)
-            ):
-                notes.append(f"{path.name}: line {number} has no integer episode; skipped")
+            bad = [key for key, kinds in required.items()
+                   if not isinstance(record, dict) or not _is(record.get(key, ...), kinds)]
+            if bad:
+                notes.append(f"{path.name}: line {number} has no valid {', '.join(bad)}; skipped")
                 continue
             records.append(record)
     return records
+
+
+def _is(value: Any, kinds: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, kinds)
 
 
 def _read_rescore(path: Path, notes: list[str]) -> list[dict[str, Any]]:

@@ -37,15 +37,25 @@ class BigOutputPolicy:
         return await OraclePolicy().act(PolicyInput(**{**vars(observation), "turn": 99}))
 
 
-def test_escaping_keeps_model_text_out_of_the_markup(tmp_path: Path) -> None:
-    make_run(tmp_path / "run", episodes=1)
-    records = episodes(tmp_path / "run")
+def test_a_killed_run_is_shown_and_model_text_never_becomes_markup(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    make_run(run, episodes=2)
+    records = episodes(run)
     records[0]["transcript"][-2]["content"] = "</pre><script>alert(1)</script>&amp;"
-    (tmp_path / "run" / "episodes.jsonl").write_text(
-        "".join(json.dumps(r) + "\n" for r in records))
-    page = render_report([read_run(tmp_path / "run")])
+    # Killed while writing a third episode, before any summary.
+    (run / "episodes.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"episode": 2, "rew')
+    (run / "summary.json").unlink()
+    page = render_report([read_run(run)])
     assert "<script>alert(1)" not in page
     assert "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;&amp;amp;" in page
+    assert "the last line is cut off" in page and "2 of 2" in page
+    assert main(["view", str(run)]) == 0
+    assert (run / "report.html").read_text() == page
+    assert main(["view", str(tmp_path / "nowhere")]) == 2
+    assert "not a directory" in capsys.readouterr().err
 
 
 def test_report_in_a_headless_browser(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

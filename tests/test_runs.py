@@ -13,7 +13,8 @@ def test_a_killed_and_resumed_log_is_read_as_written_and_left_unchanged(tmp_path
     records = episodes(run)
     log = run / "episodes.jsonl"
     # A resume that logged episode 1 again, a line that is not JSON, and a kill mid-line.
-    text = log.read_text() + json.dumps(records[1]) + "\n" + "{oops\n" + '{"episode": 4, "ta'
+    text = (log.read_text() + json.dumps(records[1]) + "\n" + "{oops\n"
+            + json.dumps({**records[2], "episode": 7, "reward": "1"}) + "\n" + '{"episode": 4, "ta')
     log.write_text(text)
     read = read_run(run)
     assert log.read_text() == text  # reading never repairs or cuts
@@ -21,6 +22,7 @@ def test_a_killed_and_resumed_log_is_read_as_written_and_left_unchanged(tmp_path
     assert set(read.episodes) == {(GSM8K, r["task_id"], 0) for r in records}
     assert any("logged twice" in n for n in read.notes)
     assert any("line 6 is not JSON" in n for n in read.notes)
+    assert any("line 7 has no valid reward" in n for n in read.notes)
     assert any("cut off" in n for n in read.notes)
     summary = read.summary()
     assert summary.episodes == 4 and summary.success_rate == 1.0
