@@ -307,6 +307,8 @@ def _message(message: Any, reward: float | None) -> str:
         message = {"role": "?", "content": json.dumps(message)}
     role = str(message.get("role", "?"))
     content = message.get("content")
+    if content is None:  # a native tool call's reply may have no text
+        content = ""
     text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
     label = role
     if role == "assistant" and "<tool_call>" in text:

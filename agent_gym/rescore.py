@@ -105,7 +105,7 @@ def _rescore_episode(record: dict[str, Any], host_kwargs: dict[str, Any]) -> Res
     except Exception as err:  # an env that cannot be rebuilt here: report, go on
         return dataclasses.replace(base, error=f"{type(err).__name__}: {err}")
     env.close()
-    mismatch = _transcript_mismatch(record, info["history"])
+    mismatch = _transcript_mismatch(record, [*info["messages"], *info["history"]])
     if mismatch is not None:
         return dataclasses.replace(base, error=mismatch)
     rewards = [float(r) for r in info["step_rewards"]]
@@ -117,19 +117,20 @@ def _rescore_episode(record: dict[str, Any], host_kwargs: dict[str, Any]) -> Res
                                step_rewards=rewards, end_reason=end)
 
 
-def _transcript_mismatch(record: dict[str, Any], history: list[dict[str, Any]]) -> str | None:
-    """Why the recorded transcript is not the replayed one, or None when it is."""
+def _transcript_mismatch(record: dict[str, Any], replayed: list[dict[str, Any]]) -> str | None:
+    """Why the recorded transcript is not the replayed chat (opening messages, then each
+    action and observation), or None when it is."""
     transcript = record.get("transcript")
     if not isinstance(transcript, list):
         return "the episode has no transcript"
-    tail = transcript[:-1] if record.get("end_reason") == "max_tokens" else transcript
-    if len(tail) < len(history):
-        return f"the transcript has {len(tail)} messages, fewer than the {len(history)} replayed"
-    recorded = tail[len(tail) - len(history):]
-    for offset, (saved, replayed) in enumerate(zip(recorded, history, strict=True)):
-        if not isinstance(saved, dict) or saved.get("content") != replayed["content"]:
-            index = len(tail) - len(history) + offset
-            return (f"transcript message {index} ({replayed.get('role', 'assistant')}) differs "
+    # A reply cut by the token budget is logged but never reached the env.
+    kept = transcript[:-1] if record.get("end_reason") == "max_tokens" else transcript
+    if len(kept) != len(replayed):
+        return (f"the transcript has {len(kept)} messages where the replayed episode has "
+                f"{len(replayed)}: the log was edited or is corrupt")
+    for index, (saved, again) in enumerate(zip(kept, replayed, strict=True)):
+        if not isinstance(saved, dict) or saved.get("content") != again["content"]:
+            return (f"transcript message {index} ({again.get('role', 'assistant')}) differs "
                     "from the replayed episode: the log was edited or is corrupt")
     return None
 

@@ -15,14 +15,15 @@ def test_rescore_replays_each_episode_with_the_current_reward_code(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
-    make_run(run, episodes=6)
+    make_run(run, episodes=7)
     records = sorted(episodes(run), key=lambda r: r["episode"])
     # 1: logged as a failure (as an older reward code might have scored it);
-    # 2: its saved actions edited; 3: its transcript edited; 4: its state unreadable.
+    # 2: its saved actions edited; 3: its reply edited; 4: its state unreadable.
     records[1] = {**records[1], "reward": 0.0, "success": False}
     records[2]["final_state"]["actions"][0] = "The answer is \\boxed{1}."
     records[3]["transcript"][-2]["content"] = "I would never say that."
     records[4]["final_state"] = "not a state"
+    records[6]["transcript"][1]["content"] = "What is 2 + 2?"  # 6: its question edited
     write_episodes(run, records)
     before = {name: (run / name).read_bytes() for name in ("episodes.jsonl", "config.json",
                                                           "summary.json")}
@@ -41,17 +42,18 @@ def test_rescore_replays_each_episode_with_the_current_reward_code(
     assert main(["rescore", str(run)]) == 1  # some episodes could not be replayed
     out = capsys.readouterr().out
     result = json.loads((run / "rescore.json").read_text())
-    assert result["changed"] == [1, 5] and result["failed"] == [2, 3, 4]
-    assert result["original_summary"]["success_rate"] == pytest.approx(5 / 6)
-    assert result["summary"]["episodes"] == 3 and result["summary"]["errors"] == 3
+    assert result["changed"] == [1, 5] and result["failed"] == [2, 3, 4, 6]
+    assert result["original_summary"]["success_rate"] == pytest.approx(6 / 7)
+    assert result["summary"]["episodes"] == 3 and result["summary"]["errors"] == 4
     assert result["summary"]["success_rate"] == pytest.approx(2 / 3)
     by_episode = {e["episode"]: e for e in result["episodes"]}
     assert by_episode[1]["new_reward"] == 1.0 and by_episode[1]["step_rewards"] == [1.0]
     assert by_episode[5]["new_success"] is False
     assert "replay diverged at step 1" in by_episode[2]["error"]
-    assert "transcript message" in by_episode[3]["error"]
+    assert "transcript message 2 (assistant) differs" in by_episode[3]["error"]
+    assert "transcript message 1 (user) differs" in by_episode[6]["error"]
     assert "must be a JSON object" in by_episode[4]["error"]
-    assert "2 changed, 3 not reproducible" in out and "episode 5" in out
+    assert "2 changed, 4 not reproducible" in out and "episode 5" in out
     assert {name: (run / name).read_bytes() for name in before} == before
 
     # Never replaced silently, and never over the run's own files.
