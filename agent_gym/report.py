@@ -319,10 +319,42 @@ def _message(message: Any, reward: float | None) -> str:
     extra = {k: v for k, v in message.items() if k not in ("role", "content")}
     extra_block = (f"<pre class='extra'>{_e(json.dumps(extra, indent=1, ensure_ascii=False))}"
                    "</pre>") if extra else ""
+    calls = "".join(_tool_call(body) for body in _tool_call_bodies(text)) if (
+        role == "assistant") else ""
     opened = " open" if len(text) <= OPEN_MESSAGE_CHARS and role != "system" else ""
     role_class = "".join(c if c.isalnum() else "-" for c in role)
     return (f"<details class='msg role-{role_class}'{opened}><summary>{_e(label)}</summary>"
-            f"<pre class='content'>{_e(text)}</pre>{extra_block}</details>")
+            f"<pre class='content'>{_e(text)}</pre>{calls}{extra_block}</details>")
+
+
+def _tool_call_bodies(text: str) -> list[str]:
+    """The bodies of ``<tool_call>...</tool_call>`` blocks, in one pass over ``text``."""
+    bodies, start = [], 0
+    while (opening := text.find("<tool_call>", start)) != -1:
+        closing = text.find("</tool_call>", opening)
+        if closing == -1:
+            break
+        bodies.append(text[opening + len("<tool_call>"):closing])
+        start = closing + len("</tool_call>")
+    return bodies
+
+
+def _tool_call(body: str) -> str:
+    """A JSON tool call laid out for reading: its name, then each argument as text (code
+    arrives as one JSON string with its line breaks escaped). Anything else: nothing, the
+    message above shows it as written."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return ""
+    if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
+        return ""
+    rows = "".join(
+        f"<div class='arg'>{_e(key)}:</div><pre class='arg-value'>"
+        f"{_e(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))}</pre>"
+        for key, value in call["arguments"].items()
+    )
+    return f"<div class='tool-call'>tool call <b>{_e(call.get('name'))}</b>{rows}</div>"
 
 
 _CSS = """
@@ -345,6 +377,8 @@ z-index:1}
 .msg summary{cursor:pointer;color:#555;font-size:12px}
 .role-assistant{border-color:#4a72b0}.role-tool{border-color:#137333}
 .role-user{border-color:#b06000}.role-system{border-color:#888}
+.tool-call{background:#eef3fb;padding:.2em .5em;margin:.2em 0;font-size:12px}
+.arg{color:#555}
 pre{white-space:pre-wrap;word-break:break-word;margin:.2em 0;font-size:12px}
 """
 

@@ -97,6 +97,10 @@ def test_report_in_a_headless_browser(tmp_path: Path, capsys: pytest.CaptureFixt
             " const closed = !d.open; d.querySelector('summary').click();"
             " return [closed, d.open, d.querySelector('pre').textContent]; })()")
         assert whole == [True, True, big["content"]]
+        # The tool call that printed it, its code laid out as code.
+        code = browser.evaluate(
+            "document.querySelector('#ep-2-0 .tool-call .arg-value').textContent")
+        assert code == BIG_OUTPUT_CODE
 
         def visible() -> list[str]:
             return browser.evaluate(
