@@ -272,7 +272,12 @@ def _episode(index: int, run: Run, key: EpisodeKey, record: dict[str, Any],
                     f"{_e(', '.join(f'{r:g}' for r in rewards))}</p>")
     else:
         meta.append("<p class='rewards'>Rewards per step: not in this run's log "
-                    "(<code>agent-gym rescore</code> recovers them)</p>")
+                    "(<code>agent-gym view --replay</code> or <code>rescore</code> recovers "
+                    "them)</p>")
+    replay_error = run.rescored.get(number, {}).get("error")
+    if replay_error:
+        meta.append(f"<p class='bad'>Not reproducible from its saved state: {_e(replay_error)}"
+                    "</p>")
     tokens = (record.get("prompt_tokens"), record.get("completion_tokens"))
     if tokens != (None, None):
         meta.append(f"<p>Tokens: {_e(tokens[0])} prompt, {_e(tokens[1])} completion; "
@@ -298,7 +303,7 @@ def _step_rewards(run: Run, record: dict[str, Any]) -> tuple[list[float] | None,
         return [float(r) for r in recorded], "as recorded"
     rescored = run.rescored.get(int(record["episode"]), {}).get("step_rewards")
     if isinstance(rescored, list):
-        return [float(r) for r in rescored], "from agent-gym rescore"
+        return [float(r) for r in rescored], "replayed from the saved state"
     return None, ""
 
 

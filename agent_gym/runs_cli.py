@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,18 @@ def _write_report(out: Path, sides: list[list[Run]], comparisons: list[Compared]
 
 def _view(args: argparse.Namespace) -> int:
     sides = _sides(args.runs)
+    if args.replay:  # per-step rewards for logs that do not hold them, written nowhere else
+        sides = [[_replayed(run, dict(args.env_arg)) for run in side] for side in sides]
     comparisons = _comparisons(args.runs, sides, strict=False) if len(sides) > 1 else []
     out = Path(args.out) if args.out else sides[0][0].path / REPORT_FILE
     _write_report(out, sides, comparisons)
     return 0
+
+
+def _replayed(run: Run, host_kwargs: dict[str, Any]) -> Run:
+    result = rescore_run(run, host_kwargs)
+    return dataclasses.replace(
+        run, rescored={e.episode: dataclasses.asdict(e) for e in result.episodes})
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -98,6 +107,12 @@ def register(commands: Any, env_arg: Callable[[str], tuple[str, Any]]) -> None:
     )
     view.add_argument("runs", nargs="+", metavar="RUN", help="eval run directories")
     view.add_argument("--out", help=f"the HTML file (default: FIRST_RUN/{REPORT_FILE})")
+    view.add_argument("--replay", action="store_true",
+                      help="replay every episode's saved state to show its rewards per step "
+                      "(a run's rescore.json is used without it)")
+    view.add_argument("--env-arg", type=env_arg, action="append", default=[],
+                      metavar="KEY=VALUE", help="with --replay: a host setting to build the "
+                      "envs with, as for rescore")
     view.set_defaults(run=_view)
 
     comparison = commands.add_parser(

@@ -54,6 +54,13 @@ def test_a_killed_run_is_shown_and_model_text_never_becomes_markup(
     assert "the last line is cut off" in page and "2 of 2" in page
     assert main(["view", str(run)]) == 0
     assert (run / "report.html").read_text() == page
+    assert "Rewards per step: not in this run's log" in page
+    assert main(["view", str(run), "--replay", "--out", str(tmp_path / "replayed.html")]) == 0
+    replayed = (tmp_path / "replayed.html").read_text()
+    assert "Rewards per step (replayed from the saved state): 1<" in replayed
+    assert "Not reproducible from its saved state: transcript message 2" in replayed
+    assert sorted(p.name for p in run.iterdir()) == ["config.json", "episodes.jsonl",
+                                                     "report.html"]
     assert main(["view", str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
 

@@ -64,4 +64,5 @@ def test_rescore_replays_each_episode_with_the_current_reward_code(
     assert (run / "episodes.jsonl").read_bytes() == before["episodes.jsonl"]
 
     # The report shows the replayed rewards per step.
-    assert "Rewards per step (from agent-gym rescore): 1" in render_report([read_run(run)])
+    assert "Rewards per step (replayed from the saved state): 1" in render_report(
+        [read_run(run)])
