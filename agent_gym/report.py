@@ -10,6 +10,7 @@ filtered view can be linked), so nothing is ever truncated or rebuilt from data.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import math
@@ -102,8 +103,24 @@ def _summary_table(runs: Sequence[Run]) -> str:
             str(s.errors), f"<code>{_e(run.path)}</code>",
         )) + "</tr>")
     header = "".join(f"<th>{h}</th>" for h in head)
+    # The summary's other figures (cut replies, the first error, and whatever a newer eval
+    # adds, such as pass@k), as the eval wrote them rather than left out.
+    others = []
+    for index, run in enumerate(runs):
+        extra = {k: v for k, v in dataclasses.asdict(run.summary()).items()
+                 if k not in _SUMMARY_SHOWN and v not in (None, 0, False, {}, [])}
+        if extra:
+            others.append(f"<li>run {index + 1}: <code>"
+                          f"{_e(json.dumps(extra, ensure_ascii=False))}</code></li>")
+    other_list = f"<ul class='other-figures'>{''.join(others)}</ul>" if others else ""
     return (f"<h2>Summary</h2><table id='summary'><thead><tr>{header}</tr></thead>"
-            f"<tbody>{''.join(rows)}</tbody></table>")
+            f"<tbody>{''.join(rows)}</tbody></table>{other_list}")
+
+
+_SUMMARY_SHOWN = frozenset({
+    "env_id", "policy", "episodes", "errors", "success_rate", "success_low", "success_high",
+    "mean_reward", "mean_turns", "mean_tokens", "latency_p50", "latency_p95", "synthetic",
+})
 
 
 def _notes(runs: Sequence[Run]) -> str:

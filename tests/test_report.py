@@ -52,6 +52,7 @@ def test_a_killed_run_is_shown_and_model_text_never_becomes_markup(
     assert "<script>alert(1)" not in page
     assert "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;&amp;amp;" in page
     assert "the last line is cut off" in page and "2 of 2" in page
+    assert "other-figures" not in page  # nothing beyond the table to say
     assert main(["view", str(run)]) == 0
     assert (run / "report.html").read_text() == page
     assert "Rewards per step: not in this run's log" in page
