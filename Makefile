@@ -11,9 +11,18 @@ ALFWORLD_PACKAGES := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==2
 	jericho==3.3.1 tatsu==5.8.3 mementos==1.3.1 hashids==1.3.1 more-itertools termcolor \
 	prompt-toolkit wcwidth
 
-.PHONY: setup test lint run clean
+.PHONY: setup browser test lint run clean
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Headless Chromium from Debian's packages, for the HTML report's browser test
+# (tests/test_report.py, which skips, saying why, where none can be installed). Needs root
+# and apt; nothing is done when it is already there.
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else echo "no chromium and no root apt-get: the report's browser test will skip"; fi
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

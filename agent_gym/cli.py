@@ -22,8 +22,10 @@ from typing import Any, NoReturn
 import gymnasium
 
 import agent_gym
+from agent_gym import runs_cli
 from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.alfworld.games import GameError
+from agent_gym.compare import CompareError
 from agent_gym.data import DataError
 from agent_gym.eval import (
     ERRORS_FILE,
@@ -35,6 +37,7 @@ from agent_gym.eval import (
 )
 from agent_gym.policies import make_policy
 from agent_gym.render import TemplateError
+from agent_gym.runs import RunDirError
 from agent_gym.search import cli as search_cli
 from agent_gym.state import EnvState, StateError
 
@@ -54,7 +57,8 @@ class SuiteEntry:
 
 
 COMMAND_ENTRY_POINTS = "agent_gym.commands"
-BUILTIN_COMMANDS = frozenset({"envs", "replay", "eval", "search", "alfworld", "serve"})
+BUILTIN_COMMANDS = frozenset({"envs", "replay", "eval", "view", "compare", "rescore", "search",
+                              "alfworld", "serve"})
 SCRIPTED_POLICIES = ("oracle", "random")
 # Suites run on bundled data only, so they work offline.
 SUITES: dict[str, list[SuiteEntry]] = {
@@ -84,7 +88,8 @@ class UserError(Exception):
 
 # What a user's typo or setting can raise; anything else is an internal error whose
 # traceback is worth seeing. ``--debug`` shows tracebacks for these too.
-USER_ERRORS = (UserError, StateError, RunMismatchError, DataError, GameError, TemplateError)
+USER_ERRORS = (UserError, StateError, RunMismatchError, DataError, GameError, TemplateError,
+               RunDirError, CompareError)
 
 
 def _list_envs(_: argparse.Namespace) -> int:
@@ -379,6 +384,7 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
         "cluster (e.g. auto)",
     )
     evaluation.set_defaults(run=_eval)
+    runs_cli.register(commands, _env_arg)
     search_cli.register(commands)
     alfworld_cli.register(commands)
     _register_serve(commands)

@@ -548,6 +548,8 @@ class TextEnv(gymnasium.Env[str, str]):
         observation = opening.observation
         info: dict[str, Any] = {}
         history: list[dict[str, Any]] = []
+        rewards: list[float] = []
+        terminated = truncated = False
         ahead = self._jump(state)
         for step_index, action in enumerate(state.actions, start=1):
             if self._done:
@@ -556,9 +558,11 @@ class TextEnv(gymnasium.Env[str, str]):
                     f"the replayed episode ended before step {step_index}",
                 )
             if step_index <= len(ahead):
-                observation, _, _, _, info = self._advance(action, ahead[step_index - 1])
+                outcome = self._advance(action, ahead[step_index - 1])
             else:
-                observation, _, _, _, info = self.step(action)
+                outcome = self.step(action)
+            observation, reward, terminated, truncated, info = outcome
+            rewards.append(reward)
             if step_index in self._recorded:
                 raise StateError(
                     f"the state records a backend failure at step {step_index}, but replaying "
@@ -573,6 +577,13 @@ class TextEnv(gymnasium.Env[str, str]):
         restored["history"] = history
         restored["restored_depth"] = state.depth
         restored["snapshot_depth"] = len(ahead)  # of those steps, how many a snapshot skipped
+        # What this code scores the replayed steps (``agent-gym rescore`` reads them) and
+        # whether the episode ended on the last one: a saved run's rewards are recomputed
+        # from its states, the observations verified on the way.
+        restored["step_rewards"] = rewards
+        restored["episode_end"] = (
+            "terminated" if terminated else "truncated" if truncated else None
+        )
         return observation, restored
 
     @staticmethod

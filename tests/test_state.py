@@ -172,3 +172,18 @@ def test_make_from_state_takes_no_host_setting_and_reports_the_reward_settings(
         make_from_state(state)  # the state's data_path is not followed...
     assert "never taken from a state" in " ".join(caught.value.__notes__)
     assert make_from_state(state, data_path=str(data))[2]["task_id"] == "mine-1"  # ...the caller's is
+
+
+def test_a_restore_reports_what_this_code_scores_each_replayed_step() -> None:
+    env = gymnasium.make("agent_gym/GSM8K-v0", max_turns=3, invalid_penalty=0.25)
+    _, info = env.reset(seed=3)
+    env.step("no answer here")  # invalid: the penalty
+    env.step(info["privileged"]["oracle_actions"][0])  # right: 1
+    state = env.unwrapped.save_state()
+    env.close()
+    restored, _, info = make_from_state(state)
+    assert info["step_rewards"] == [-0.25, 1.0] and info["episode_end"] == "terminated"
+    restored.close()
+    restored, _, info = make_from_state(state.prefix(1))  # mid-episode
+    assert info["step_rewards"] == [-0.25] and info["episode_end"] is None
+    restored.close()
