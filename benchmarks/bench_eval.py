@@ -125,7 +125,7 @@ def main() -> None:
         rounds = 4
         alone, burst = asyncio.run(check_server(url, max(LEVELS), rounds))
         report: dict[str, Any] = {
-            "command": "benchmarks/bench_eval.py " + " ".join(sys.argv[1:]),
+            "command": " ".join(["benchmarks/bench_eval.py", *sys.argv[1:]]),
             "server_delay_s": args.delay,
             "server_check": {
                 "one_request_s": round(alone, 4),
