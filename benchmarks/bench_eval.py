@@ -12,12 +12,16 @@ must take about DELAY and a burst of concurrent bare requests about ``rounds x D
 the server, not eval, is the limit. Each env is warmed up at the highest concurrency first
 (math-verify helper processes, imports, the thread pool), so no level pays one-off costs.
 
-``cpu_ms_per_episode`` is the eval process's own CPU time per episode (load-independent,
-unlike wall time): with one core's worth of GIL, ``sequential s/episode / cpu s/episode``
-bounds the speedup any concurrency can reach, whatever else runs on the machine.
+Each level runs ``--repeats`` times, interleaved, and the median run is reported (with
+every run's speedup). ``cpu_ms_per_episode`` is the eval process's own CPU time per episode
+(load-independent, unlike wall time): with one core's worth of GIL, ``sequential
+s/episode / cpu s/episode`` (``cpu_bound_limit``) bounds the speedup any concurrency can
+reach. ``c32_share_of_bare_client`` is eval's request rate at concurrency 32 over a bare
+client's against the same server in the same run: on a loaded machine the server and its
+clients slow down together, and this ratio separates what eval itself costs.
 
     .venv/bin/python benchmarks/bench_eval.py [--episodes 256] [--sequential-episodes 48]
-        [--delay 0.1]
+        [--delay 0.1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -109,51 +113,74 @@ def run_eval(env_id: str, url: str, episodes: int, concurrency: int) -> dict[str
             "cpu_ms_per_episode": 1000 * cpu / episodes, "turns": summary.mean_turns or 0.0}
 
 
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run of median throughput (the machine is shared: one run can be unlucky)."""
+    return sorted(runs, key=lambda r: r["episodes_per_s"])[len(runs) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=256, help="per concurrent level")
     parser.add_argument("--sequential-episodes", type=int, default=48)
     parser.add_argument("--delay", type=float, default=0.1)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per level; the median")
     args = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     urls, stop = context.Queue(), context.Event()
     server = context.Process(target=serve, args=(args.delay, urls, stop), daemon=True)
     server.start()
     load_before = os.getloadavg()
+    top = max(LEVELS)
     try:
         url = urls.get(timeout=60)
         rounds = 4
-        alone, burst = asyncio.run(check_server(url, max(LEVELS), rounds))
+        alone, burst = asyncio.run(check_server(url, top, rounds))
         report: dict[str, Any] = {
             "command": " ".join(["benchmarks/bench_eval.py", *sys.argv[1:]]),
             "server_delay_s": args.delay,
             "server_check": {
                 "one_request_s": round(alone, 4),
-                "concurrent_requests": max(LEVELS), "rounds": rounds,
+                "concurrent_requests": top, "rounds": rounds,
                 "wall_s": round(burst, 3), "ideal_s": rounds * args.delay,
+                "requests_per_s": round(top * rounds / burst, 1),
             },
             "envs": {},
         }
         for env_id in ENVS:
-            run_eval(env_id, url, 2 * max(LEVELS), max(LEVELS))  # warm-up, not reported
-            levels = {}
-            for concurrency in LEVELS:
-                episodes = args.sequential_episodes if concurrency == 1 else args.episodes
-                levels[concurrency] = run_eval(env_id, url, episodes, concurrency)
+            run_eval(env_id, url, 2 * top, top)  # warm-up, not reported
+            runs: dict[int, list[dict[str, float]]] = {c: [] for c in LEVELS}
+            bare = []  # a bare client's requests/s, measured next to each top-level run
+            for _ in range(args.repeats):  # levels interleaved, so load drifts hit all
+                for concurrency in LEVELS:
+                    episodes = args.sequential_episodes if concurrency == 1 else args.episodes
+                    if concurrency == top:
+                        bare.append(top * rounds / asyncio.run(check_server(url, top, rounds))[1])
+                    runs[concurrency].append(run_eval(env_id, url, episodes, concurrency))
+            bare_rps = sorted(bare)[len(bare) // 2]
+            levels = {c: median_run(r) for c, r in runs.items()}
             base = levels[1]
-            report["envs"][env_id] = {
+            result: dict[str, Any] = {
                 f"c{c}": {
                     "episodes": r["episodes"],
                     "episodes_per_s": round(r["episodes_per_s"], 2),
                     "speedup_vs_sequential": round(r["episodes_per_s"] / base["episodes_per_s"],
                                                    2),
+                    "all_speedups": [round(x["episodes_per_s"] / base["episodes_per_s"], 2)
+                                     for x in runs[c]],
                     "cpu_ms_per_episode": round(r["cpu_ms_per_episode"], 2),
                     "cpu_bound_limit": round(
                         1000 / base["episodes_per_s"] / r["cpu_ms_per_episode"], 1
                     ),
                 } for c, r in levels.items()
             }
-            report["envs"][env_id]["turns_per_episode"] = base["turns"]
+            result["turns_per_episode"] = base["turns"]
+            result[f"bare_client_c{top}_requests_per_s"] = round(bare_rps, 1)
+            # Eval's request rate at the top level over a bare client's at the same
+            # concurrency: how much of what this server gives at this moment eval gets.
+            result[f"c{top}_share_of_bare_client"] = round(
+                levels[top]["episodes_per_s"] * base["turns"] / bare_rps, 2
+            )
+            report["envs"][env_id] = result
         report["load_average"] = {"before": [round(x, 2) for x in load_before],
                                   "after": [round(x, 2) for x in os.getloadavg()]}
     finally:
