@@ -223,7 +223,8 @@ class _GroupCommitFile:
     over; the writer takes every line waiting, writes them in one call, fsyncs once, and
     only then resolves their futures, so a line is acknowledged exactly when it is durable
     and a burst of finished episodes costs one fsync. A kill mid-write leaves at most a cut
-    last line, of an episode never acknowledged, which ``RunLog._recover`` removes.
+    last line, of an episode never acknowledged, which ``RunLog._recover`` removes; after a
+    failed write (disk full) every later line fails too, so none lands after a cut one.
     """
 
     def __init__(self, path: Path) -> None:
@@ -231,6 +232,7 @@ class _GroupCommitFile:
         self._pending: list[tuple[bytes, concurrent.futures.Future[None]]] = []
         self._wake = threading.Condition()
         self._closing = False
+        self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"commit {path.name}",
                                         daemon=True)
         self._thread.start()
@@ -264,10 +266,13 @@ class _GroupCommitFile:
             # written (its episode finished), it just has no one to tell.
             waiting = [done for _, done in batch if done.set_running_or_notify_cancel()]
             try:
+                if self._failed is not None:  # nothing may follow a possibly cut line
+                    raise self._failed
                 self._handle.write(b"".join(line for line, _ in batch))
                 self._handle.flush()
                 os.fsync(self._handle.fileno())
             except BaseException as err:
+                self._failed = err
                 for done in waiting:
                     done.set_exception(err)
             else:

@@ -248,3 +248,26 @@ def test_an_acknowledged_episode_line_is_already_in_the_file(tmp_path: Path) -> 
     finally:
         log.close()
     assert [r["episode"] for r in _episodes(tmp_path)] == list(range(50))
+
+
+def test_after_a_failed_commit_no_line_is_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that failed may have left a cut line: nothing may be appended after it."""
+    log = RunLog(tmp_path, EvalConfig(GSM8K, "oracle", episodes=2))
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def write_two() -> list[BaseException | None]:
+        monkeypatch.setattr("agent_gym.eval.os.fsync", disk_full)
+        first = await asyncio.gather(log.write({"episode": 0}), return_exceptions=True)
+        monkeypatch.undo()
+        second = await asyncio.gather(log.write({"episode": 1}), return_exceptions=True)
+        return [*first, *second]
+
+    try:
+        outcomes = asyncio.run(write_two())
+    finally:
+        log.close()
+    assert all(isinstance(o, OSError) and "No space" in str(o) for o in outcomes)
