@@ -1,10 +1,10 @@
 """Benchmark a policy on an env: concurrent episodes, a JSONL log you can resume, a summary.
 
 The run directory is the unit of work. ``config.json`` pins what is measured (env, its
-arguments, policy, seed); ``episodes.jsonl`` gets one line per finished episode, flushed
-and fsynced before the next is written, so a run killed at any moment (even SIGKILL)
-resumes where it stopped: finished episodes are kept, a half-written last line is cut
-off, and only the missing episode indices run again. Episode ``i`` plays task
+arguments, policy, seed); ``episodes.jsonl`` gets one line per finished episode, counted
+as done only once fsynced, so a run killed at any moment (even SIGKILL) resumes where it
+stopped: finished episodes are kept, a half-written last line is cut off, and only the
+missing episode indices run again. Episode ``i`` plays task
 ``order[i % n]`` of a permutation of the env's n tasks seeded by ``seed`` (every task once
 before any repeats), reset with seed ``seed + i``: a resumed run measures exactly what an
 unbroken one would.
@@ -13,12 +13,14 @@ unbroken one would.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 import os
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +170,8 @@ class RunLog:
         self._errors_path.unlink(missing_ok=True)  # errored episodes are retried on resume
         self.errors = 0
         self.first_error: str | None = None
+        self._episodes = _GroupCommitFile(self.episodes_path)
+        self._errors: _GroupCommitFile | None = None  # opened at the first error
 
     @staticmethod
     def _recover(path: Path) -> dict[int, dict[str, Any]]:
@@ -191,22 +195,89 @@ class RunLog:
                 handle.truncate(good_bytes)
         return records
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> Awaitable[None]:
+        """Log a finished episode; the returned awaitable resolves once it is durable."""
         self.records[record["episode"]] = record
-        _append_durably(self.episodes_path, record)
+        return self._episodes.append(record)
 
-    def write_error(self, episode: int, error: BaseException) -> None:
+    def write_error(self, episode: int, error: BaseException) -> Awaitable[None]:
         self.errors += 1
         text = f"{type(error).__name__}: {error}"
         self.first_error = self.first_error or text
-        _append_durably(self._errors_path, {"episode": episode, "error": text})
+        if self._errors is None:
+            self._errors = _GroupCommitFile(self._errors_path)
+        return self._errors.append({"episode": episode, "error": text})
+
+    def close(self) -> None:
+        """Commit what is pending and stop the writers (blocks: call it off the loop)."""
+        for writer in (self._episodes, self._errors):
+            if writer is not None:
+                writer.close()
 
 
-def _append_durably(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, ensure_ascii=True) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+class _GroupCommitFile:
+    """A JSONL file appended to by one writer thread, with one fsync per batch of lines.
+
+    An fsync per finished episode, on the event loop, took a quarter of the loop's time at
+    concurrency 32 and every other episode waited for it. Here the loop only hands a line
+    over; the writer takes every line waiting, writes them in one call, fsyncs once, and
+    only then resolves their futures, so a line is acknowledged exactly when it is durable
+    and a burst of finished episodes costs one fsync. A kill mid-write leaves at most a cut
+    last line, of an episode never acknowledged, which ``RunLog._recover`` removes; after a
+    failed write (disk full) every later line fails too, so none lands after a cut one.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._handle = path.open("ab")
+        self._pending: list[tuple[bytes, concurrent.futures.Future[None]]] = []
+        self._wake = threading.Condition()
+        self._closing = False
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"commit {path.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def append(self, record: dict[str, Any]) -> Awaitable[None]:
+        line = (json.dumps(record, ensure_ascii=True) + "\n").encode()
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._wake:
+            if self._closing:
+                raise RuntimeError("the run log is closed")
+            self._pending.append((line, done))
+            self._wake.notify()
+        return asyncio.wrap_future(done)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join()
+        self._handle.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closing:
+                    self._wake.wait()
+                batch, self._pending = self._pending, []
+            if not batch:
+                return  # closing, and nothing left to commit
+            # Past this call a waiter can no longer cancel; a cancelled one's line is still
+            # written (its episode finished), it just has no one to tell.
+            waiting = [done for _, done in batch if done.set_running_or_notify_cancel()]
+            try:
+                if self._failed is not None:  # nothing may follow a possibly cut line
+                    raise self._failed
+                self._handle.write(b"".join(line for line, _ in batch))
+                self._handle.flush()
+                os.fsync(self._handle.fileno())
+            except BaseException as err:
+                self._failed = err
+                for done in waiting:
+                    done.set_exception(err)
+            else:
+                for done in waiting:
+                    done.set_result(None)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -315,6 +386,15 @@ async def evaluate(
         desc=f"{config.env_id.removeprefix('agent_gym/')} / {config.policy}", unit="ep",
     )
 
+    # Lines being committed: a worker goes on to its next episode meanwhile, and an
+    # episode counts as done (the bar, the summary) only once its line is durable.
+    commits: list[asyncio.Future[None]] = []
+
+    def committed(commit: Awaitable[None]) -> None:
+        future = asyncio.ensure_future(commit)
+        future.add_done_callback(lambda _: bar.update())
+        commits.append(future)
+
     async def worker() -> None:
         env = await asyncio.to_thread(make_env)
         try:
@@ -326,19 +406,20 @@ async def evaluate(
                         int(order[episode % num_tasks]),
                     )
                 except Exception as err:  # one broken episode must not sink the run
-                    log.write_error(episode, err)
+                    committed(log.write_error(episode, err))
                     # The env may be mid-episode in an unknown state: start a fresh one.
                     await asyncio.to_thread(env.close)
                     env = await asyncio.to_thread(make_env)
                 else:
-                    log.write(record)
-                bar.update()
+                    committed(log.write(record))
         finally:
             await asyncio.to_thread(env.close)
 
     try:
         await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, todo.qsize())))))
+        await asyncio.gather(*commits)
     finally:
+        await asyncio.to_thread(log.close)
         bar.close()
     finished = [log.records[i] for i in sorted(log.records) if i < config.episodes]
     summary = summarize(config, finished, log.errors, log.first_error)

@@ -27,6 +27,9 @@ token against ``apply_chat_template``.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -229,3 +232,58 @@ class Conversation:
         self.tokens.extend(completion)
         self.tokens.extend(tail)
         return self.tokens
+
+
+class ContinuedPrompts:
+    """Token-continuous prompts for callers that hand over the whole chat every turn.
+
+    An eval policy is given each turn's transcript as messages, not tokens, and answers many
+    episodes at once. Rendering that transcript whole every turn cost O(conversation) per
+    turn and re-encoded sampled text, so the prompt could differ from the tokens the sampler
+    produced (training never does that: ``Conversation``). Here each answered chat is
+    remembered as its ``Conversation`` and sampled completion, keyed by the chat's content
+    up to and including the reply; when a later chat starts with one of them, its prompt is
+    that conversation extended by the messages after the reply, exactly as the trainers'
+    rollouts extend theirs. Only the key is computed from the whole chat (a hash; the
+    rendering and tokenising are per turn). A chat it does not know (a first turn, a resumed
+    or windowed transcript, one evicted) is rendered whole: always correct, only slower.
+    """
+
+    def __init__(self, renderer: ChatRenderer, capacity: int = 4096) -> None:
+        self.renderer = renderer
+        self.capacity = capacity
+        # Identical chats (several rollouts of one task) share a key: one entry each.
+        self._answered: OrderedDict[str, list[tuple[Conversation, list[int]]]] = OrderedDict()
+        self._size = 0
+
+    def conversation(
+        self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> Conversation:
+        """The conversation whose ``tokens`` are the prompt for ``messages``."""
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        if 0 <= last < len(messages) - 1:
+            entries = self._answered.get(_chat_key(messages[: last + 1], tools))
+            if entries:
+                conversation, completion = entries.pop()
+                self._size -= 1
+                conversation.append(completion, messages[last + 1 :])
+                return conversation
+        return Conversation.start(self.renderer, messages, tools)
+
+    def answered(self, conversation: Conversation, completion: Sequence[int]) -> None:
+        """Remember that ``completion`` was sampled from ``conversation``'s prompt."""
+        text = self.renderer.completion_text(completion)
+        chat = [*conversation.messages, {"role": "assistant", "content": text}]
+        key = _chat_key(chat, conversation.tools)
+        self._answered.setdefault(key, []).append((conversation, list(completion)))
+        self._answered.move_to_end(key)
+        self._size += 1
+        while self._size > self.capacity:  # episodes that ended leave their last turn
+            _, evicted = self._answered.popitem(last=False)
+            self._size -= len(evicted)
+
+
+def _chat_key(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None) -> str:
+    chat = json.dumps([[dict(m) for m in messages], [dict(t) for t in tools or ()]],
+                      sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(chat.encode()).hexdigest()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_gym.eval import EvalConfig, RunMismatchError, evaluate, wilson_interval
+from agent_gym.eval import EvalConfig, RunLog, RunMismatchError, evaluate, wilson_interval
 from agent_gym.policies import (
     OpenAIChatPolicy,
     OraclePolicy,
@@ -229,3 +229,45 @@ def test_a_kill_while_config_json_is_rewritten_keeps_the_run_resumable(tmp_path:
     summary = asyncio.run(evaluate(EvalConfig(GSM8K, "oracle", episodes=3, seed=4),
                                    OraclePolicy(), tmp_path, progress=False))
     assert summary.episodes == 3
+
+
+def test_an_acknowledged_episode_line_is_already_in_the_file(tmp_path: Path) -> None:
+    """The group-commit writer: every awaited line is on disk, whole, in append order."""
+    log = RunLog(tmp_path, EvalConfig(GSM8K, "oracle", episodes=50))
+
+    async def write_all() -> None:
+        async def one(episode: int) -> None:
+            await log.write({"episode": episode, "reward": 1.0})
+            lines = (tmp_path / "episodes.jsonl").read_text().splitlines()
+            assert {"episode": episode, "reward": 1.0} in [json.loads(line) for line in lines]
+
+        await asyncio.gather(*(one(i) for i in range(50)))
+
+    try:
+        asyncio.run(write_all())
+    finally:
+        log.close()
+    assert [r["episode"] for r in _episodes(tmp_path)] == list(range(50))
+
+
+def test_after_a_failed_commit_no_line_is_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that failed may have left a cut line: nothing may be appended after it."""
+    log = RunLog(tmp_path, EvalConfig(GSM8K, "oracle", episodes=2))
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def write_two() -> list[BaseException | None]:
+        monkeypatch.setattr("agent_gym.eval.os.fsync", disk_full)
+        first = await asyncio.gather(log.write({"episode": 0}), return_exceptions=True)
+        monkeypatch.undo()
+        second = await asyncio.gather(log.write({"episode": 1}), return_exceptions=True)
+        return [*first, *second]
+
+    try:
+        outcomes = asyncio.run(write_two())
+    finally:
+        log.close()
+    assert all(isinstance(o, OSError) and "No space" in str(o) for o in outcomes)

@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from agent_gym.render import ChatRenderer, Conversation, HistoryRewriteError, TemplateError
+from agent_gym.render import (
+    ChatRenderer,
+    ContinuedPrompts,
+    Conversation,
+    HistoryRewriteError,
+    TemplateError,
+)
 from tests.helpers.chat_templates import (
     QWEN_TOOLS,
     REWRITES_BEFORE_TOOL,
@@ -161,3 +167,35 @@ def test_fork_is_independent() -> None:
     a, b = root.fork(), root.fork()
     a.append(renderer.encode("a") + renderer.stop_tokens, [{"role": "user", "content": "x"}])
     assert b.tokens == root.tokens and len(a.tokens) > len(b.tokens)
+
+
+def test_continued_prompts_follow_each_chat_by_its_content() -> None:
+    """Interleaved chats, two of them identical, each continue from their own sampled tokens;
+    a transcript never answered here (a resumed or windowed one) is rendered whole."""
+    renderer = ChatRenderer(smollm2_tokenizer())
+    prompts = ContinuedPrompts(renderer)
+    # Two tokenizations of one text, as two samplers could produce for identical chats.
+    odd = renderer.encode("Hel") + renderer.encode("lo") + renderer.stop_tokens
+    plain = renderer.encode("Hello") + renderer.stop_tokens
+    chats = {}
+    for name, completion in (("a", odd), ("b", plain), ("c", plain)):
+        opening = OPENING if name != "c" else [OPENING[0], {"role": "user", "content": "Hi"}]
+        conversation = prompts.conversation(opening, TOOLS)
+        assert conversation.tokens == reference(renderer.tokenizer, opening, TOOLS)
+        chats[name] = (list(conversation.tokens), completion, opening)
+        prompts.answered(conversation, completion)
+    continued = {}
+    for name in ("c", "b", "a"):  # any order: the content finds the chat
+        prompt, _, opening = chats[name]
+        chat = [*opening, {"role": "assistant", "content": "Hello"}, *OBSERVATIONS[0]]
+        continued[name] = prompts.conversation(chat, TOOLS).tokens
+    prompt, completion, _ = chats["c"]
+    assert continued["c"][: len(prompt) + len(completion)] == prompt + completion
+    # "a" and "b" are the same chat: each continuation took one of the two samples.
+    sent = {tuple(chats[n][0] + chats[n][1]) for n in "ab"}
+    assert {tuple(continued[n][: len(s)]) for n in "ab" for s in sent if
+            tuple(continued[n][: len(s)]) in sent} == sent
+    unknown = [*OPENING, {"role": "assistant", "content": "Bye"}, *OBSERVATIONS[1]]
+    assert prompts.conversation(unknown, TOOLS).tokens == reference(
+        renderer.tokenizer, unknown, TOOLS
+    )

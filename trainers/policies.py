@@ -13,7 +13,7 @@ from typing import Any
 from pytrio import ModelInput, SamplingParams
 
 from agent_gym.policies import PolicyInput, Reply
-from agent_gym.render import ChatRenderer
+from agent_gym.render import ChatRenderer, ContinuedPrompts
 from trainers.backends import make_service
 
 
@@ -21,11 +21,11 @@ class SamplerPolicy:
     """A pytrio-style sampling client: the remote service's or the local torch backend's.
 
     Both expose ``sample_async(ModelInput, num_samples, SamplingParams)`` and
-    ``get_tokenizer()``. Prompts come from the shared renderer, rendered whole each turn
-    from the transcript (a policy sees messages, not token histories); for templates that
-    render history stably (checked by the renderer) that equals the token-continuous
-    prompt training uses. A reply cut by ``max_tokens`` is marked cut: eval, like the
-    trainers, ends the episode there instead of scoring the unfinished text.
+    ``get_tokenizer()``. Prompts are token-continuous, as in training: each turn's prompt
+    is the previous one plus the sampled tokens verbatim plus the env's reply
+    (``agent_gym.render.ContinuedPrompts``), not a re-render of the transcript. A reply
+    cut by ``max_tokens`` is marked cut: eval, like the trainers, ends the episode there
+    instead of scoring the unfinished text.
     """
 
     def __init__(
@@ -35,12 +35,14 @@ class SamplerPolicy:
         self.name = name
         self.client = sampling_client
         self.renderer = ChatRenderer(sampling_client.get_tokenizer())
+        self.prompts = ContinuedPrompts(self.renderer)
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.seed = seed
 
     async def act(self, observation: PolicyInput) -> Reply:
-        prompt = self.renderer.prompt(observation.messages, observation.tools or None)
+        conversation = self.prompts.conversation(observation.messages, observation.tools)
+        prompt = list(conversation.tokens)
         params = SamplingParams(
             max_tokens=self.max_tokens, temperature=self.temperature,
             seed=self.seed + observation.turn, stop=sorted(self.renderer.stop_tokens),
@@ -50,6 +52,7 @@ class SamplerPolicy:
         )
         sequence = response.sequences[0]
         completion = list(sequence.tokens)
+        self.prompts.answered(conversation, completion)
         return Reply(self.renderer.completion_text(completion), len(prompt), len(completion),
                      cut=not self.renderer.is_finished(completion))
 

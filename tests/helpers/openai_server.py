@@ -35,6 +35,12 @@ class ChatServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Keep-alive, as model servers do; HTTP/1.0 made every request a new connection.
+            protocol_version = "HTTP/1.1"
+            # TCP_NODELAY, as uvicorn sets: with Nagle, the body written after the headers
+            # waited for the client's delayed ACK, 40 ms on every reply.
+            disable_nagle_algorithm = True
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -67,7 +73,11 @@ class ChatServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # The default backlog of 5 reset connections of bursts of concurrent clients.
+            request_queue_size = 256
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
