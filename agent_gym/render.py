@@ -241,6 +241,15 @@ class Conversation:
             self.renderer, self.opening, self.tools, list(self.tokens), list(self.messages)
         )
 
+    def windowed(self, turns: int) -> Conversation:
+        """This chat under a history window of ``turns`` (``window_messages``), rendered
+        afresh. The new prompt does not extend the old one: a window cut is where token
+        continuity restarts, and the trainers train the tokens before and after it as
+        separate sequences."""
+        messages = window_messages(self.messages, len(self.opening), turns)
+        return Conversation(self.renderer, self.opening, self.tools,
+                            self.renderer.prompt(messages, self.tools or None), messages)
+
     def append(self, completion: Sequence[int], new_messages: Sequence[Message]) -> list[int]:
         """Extend the prompt by one sampled turn and the env's reply; returns the prompt."""
         tail = self.renderer.continuation(self.opening, completion, new_messages, self.tools)

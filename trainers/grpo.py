@@ -48,6 +48,9 @@ class Args(RunArgs):
         None, "branches (episodes) per task; advantages are centred in it (default: 4 when the "
         "local backend runs on CPU, else 8)")
     normalize_std: bool = option(False, "divide advantages by the group's reward std")
+    history_window: int | None = option(
+        None, "show the policy the task and only the last N turns, as `agent-gym eval "
+        "--history-window N` does (each cut restarts the token-continuous prompt)")
 
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
         **RunArgs.DEVICE_DEFAULTS, "group_size": (4, 8)}
@@ -56,7 +59,9 @@ class Args(RunArgs):
         return [*super().problems(),
                 *(["--steps and --group-size must be positive"]
                   if min(self.steps, 1 if self.group_size is None else self.group_size) < 1
-                  else [])]
+                  else []),
+                *(["--history-window must be positive"]
+                  if self.history_window is not None and self.history_window < 1 else [])]
 
     def branches_per_task(self) -> int:
         return self.group_size or 1
@@ -71,7 +76,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     history: list[Metrics] = []
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
-        config = run_rollout_config(run, args.group_size)
+        config = run_rollout_config(run, args.group_size, args.history_window)
         for step in run.progress():
             t0 = time.perf_counter()
             # ---- a fresh sampler on the current weights
@@ -94,8 +99,9 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 advantages = rewards - rewards.mean()
                 if args.normalize_std:
                     advantages /= rewards.std() + 1e-6
-                datums += [build_datum(episode.sequence, float(advantage))
-                           for episode, advantage in zip(group, advantages, strict=True)]
+                datums += [build_datum(sequence, float(advantage))
+                           for episode, advantage in zip(group, advantages, strict=True)
+                           for sequence in episode.sequences]
 
             # ---- one update on the whole logical batch
             trained = run.update(datums)

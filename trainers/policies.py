@@ -64,8 +64,9 @@ class SamplerPolicy:
         )
         sequence = response.sequences[0]
         completion = list(sequence.tokens)
+        finished = self.renderer.is_finished(completion)
         return Reply(self.renderer.completion_text(completion), len(prompt), len(completion),
-                     cut=not self.renderer.is_finished(completion))
+                     cut=not finished, finish_reason="stop" if finished else "length")
 
 
 def _context_length(sampling_client: Any) -> int | None:
