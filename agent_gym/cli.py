@@ -302,7 +302,7 @@ def _report(runs: Sequence[tuple[EvalConfig, Summary, Path]], args: argparse.Nam
         summaries += overall
     if summaries:
         print(format_table(summaries))
-    for summary in summaries:
+    for _, summary, _ in runs:  # the overall rows would repeat their envs' notes
         for note in summary.notes:
             print(f"agent-gym eval: {summary.env_id} / {summary.policy}: {note}",
                   file=sys.stderr)

@@ -247,7 +247,8 @@ def summarize(
         context_length=ends["context_length"],
         end_reasons=dict(sorted(ends.items())),
         finish_reasons=dict(sorted(Counter(
-            str(reply.get("finish_reason")) for reply in replies).items())),
+            reply["finish_reason"] for reply in replies if reply.get("finish_reason")
+        ).items())),
         reply_latency_p50=percentile(reply_latencies, 0.5),
         reply_latency_p95=percentile(reply_latencies, 0.95),
         notes=_notes(config, replies),
