@@ -12,9 +12,10 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,6 +35,9 @@ from agent_gym.eval import (
     Summary,
     evaluate,
     format_table,
+    overall_summary,
+    read_summary,
+    record_key,
 )
 from agent_gym.policies import make_policy
 from agent_gym.render import TemplateError
@@ -100,7 +104,7 @@ def _list_envs(_: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     """Restore a state; host settings (sandbox, network, paths) come from --env-arg only."""
-    state = _read_state(Path(args.state), args.episode)
+    state = _read_state(Path(args.state), args.episode, args.rollout)
     try:
         env, observation, info = agent_gym.make_from_state(state, **dict(args.env_arg))
     except StateError as err:  # one line, with make_from_state's note on host settings
@@ -113,8 +117,9 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_state(path: Path, episode: int | None) -> EnvState:
-    """A state file, or (``--episode N``) the final state of episode N of an eval log."""
+def _read_state(path: Path, episode: int | None, rollout: int = 0) -> EnvState:
+    """A state file, or (``--episode N [--rollout R]``) the final state of episode N's
+    rollout R of an eval log."""
     if not path.is_file():
         raise UserError(f"{path} does not exist (or is not a file)")
     text = path.read_text(encoding="utf-8")
@@ -124,22 +129,23 @@ def _read_state(path: Path, episode: int | None) -> EnvState:
             raise UserError(f"--episode reads an eval log (episodes.jsonl); {path} is not one")
         return EnvState.from_json(text)
     if episode is None:
-        numbers = sorted(records)
+        numbers = sorted({number for number, _ in records})
         raise UserError(
             f"{path} is an eval log with {len(records)} episodes; pick one with --episode N "
             f"(N from {numbers[0]} to {numbers[-1]})" if numbers else f"{path} holds no episodes"
         )
-    if episode not in records:
-        raise UserError(f"{path} holds no finished episode {episode}")
-    return EnvState.from_dict(records[episode]["final_state"])
+    if (episode, rollout) not in records:
+        raise UserError(f"{path} holds no finished episode {episode} rollout {rollout}")
+    return EnvState.from_dict(records[episode, rollout]["final_state"])
 
 
-def _eval_records(text: str) -> dict[int, dict[str, Any]] | None:
-    """The episodes of an ``episodes.jsonl`` by number, or None when ``text`` is not one."""
+def _eval_records(text: str) -> dict[tuple[int, int], dict[str, Any]] | None:
+    """The episodes of an ``episodes.jsonl`` by (episode, rollout), or None when ``text`` is
+    not one."""
     lines = [line for line in text.splitlines() if line.strip()]
     if len(lines) < 1:
         return None
-    records: dict[int, dict[str, Any]] = {}
+    records: dict[tuple[int, int], dict[str, Any]] = {}
     for line in lines:
         try:
             record = json.loads(line)
@@ -147,8 +153,18 @@ def _eval_records(text: str) -> dict[int, dict[str, Any]] | None:
             return None
         if not (isinstance(record, dict) and "final_state" in record and "episode" in record):
             return None
-        records[int(record["episode"])] = record
+        records[record_key(record)] = record
     return records
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _env_arg(text: str) -> tuple[str, Any]:
@@ -222,35 +238,79 @@ def _eval(args: argparse.Namespace) -> int:
         for policy_spec in policies:
             if args.episodes or entry.episodes_for(policy_spec):
                 _probe_env(entry.env_id, entry.env_kwargs, policy_spec)
-    runs: list[tuple[Summary, Path]] = []
-    for policy_spec in policies:
-        try:
-            policy = make_policy(policy_spec, seed=args.seed, max_tokens=args.max_tokens,
-                                 device=args.device, threads=args.threads)
-        except ValueError as err:
-            raise UserError(str(err)) from err
-        for entry in plan:
-            episodes = args.episodes or entry.episodes_for(policy_spec)
-            if episodes == 0:
-                continue
-            config = EvalConfig(entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs)
-            out_dir = Path(args.out)
-            if args.suite is not None:
-                out_dir = out_dir / entry.env_id.removeprefix("agent_gym/") / _run_name(policy_spec)
-            elif len(policies) > 1:
-                out_dir = out_dir / _run_name(policy_spec)
-            summary = asyncio.run(
-                evaluate(config, policy, out_dir, concurrency=args.concurrency,
-                         progress=not args.quiet, make_env=_env_factory(config, args.ray))
-            )
-            runs.append((summary, out_dir))
-    print(format_table([summary for summary, _ in runs]))
-    failed = [(s, out) for s, out in runs if s.episodes == 0 and s.errors]
+    runs: list[tuple[EvalConfig, Summary, Path]] = []
+    # SIGTERM stops a run as Ctrl-C does: asyncio.run turns SIGINT into a cancellation,
+    # and evaluate writes the summary of the finished episodes on its way out.
+    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    try:
+        for policy_spec in policies:
+            try:
+                policy = make_policy(
+                    policy_spec, seed=args.seed, max_tokens=args.max_tokens,
+                    temperature=args.temperature, timeout=args.timeout, device=args.device,
+                    threads=args.threads,
+                )
+            except ValueError as err:
+                raise UserError(str(err)) from err
+            for entry in plan:
+                episodes = args.episodes or entry.episodes_for(policy_spec)
+                if episodes == 0:
+                    continue
+                config = EvalConfig(
+                    entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs,
+                    rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
+                    temperature=args.temperature, history_window=args.history_window,
+                )
+                out_dir = Path(args.out)
+                if args.suite is not None:
+                    out_dir = (out_dir / entry.env_id.removeprefix("agent_gym/")
+                               / _run_name(policy_spec))
+                elif len(policies) > 1:
+                    out_dir = out_dir / _run_name(policy_spec)
+                try:
+                    summary = asyncio.run(evaluate(
+                        config, policy, out_dir, concurrency=args.concurrency,
+                        progress=not args.quiet, make_env=_env_factory(config, args.ray),
+                    ))
+                except KeyboardInterrupt:
+                    if (out_dir / "summary.json").exists():
+                        runs.append((config, read_summary(out_dir), out_dir))
+                    _report(runs, args)
+                    print("agent-gym eval: interrupted; the finished episodes are kept and "
+                          "summarised: rerun the same command to resume", file=sys.stderr)
+                    return 130
+                runs.append((config, summary, out_dir))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _report(runs, args)
+    failed = [(s, out) for _, s, out in runs if s.episodes == 0 and s.errors]
     for summary, out_dir in failed:
         print(f"agent-gym eval: every episode of {summary.env_id} / {summary.policy} failed; "
               f"the first: {summary.first_error} (all in {out_dir / ERRORS_FILE})",
               file=sys.stderr)
     return 1 if failed else 0
+
+
+def _report(runs: Sequence[tuple[EvalConfig, Summary, Path]], args: argparse.Namespace) -> None:
+    """Print the table of ``runs`` (with one overall row per policy of a suite, also
+    written to OUT/overall.json) and each run's notes."""
+    summaries = [summary for _, summary, _ in runs]
+    if args.suite is not None:
+        overall = []
+        for policy_spec in dict.fromkeys(config.policy for config, _, _ in runs):
+            mine = [run for run in runs if run[0].policy == policy_spec]
+            if len(mine) > 1:
+                overall.append(overall_summary(mine))
+        if overall:
+            Path(args.out, "overall.json").write_text(
+                json.dumps([asdict(s) for s in overall], indent=2), encoding="utf-8")
+        summaries += overall
+    if summaries:
+        print(format_table(summaries))
+    for _, summary, _ in runs:  # the overall rows would repeat their envs' notes
+        for note in summary.notes:
+            print(f"agent-gym eval: {summary.env_id} / {summary.policy}: {note}",
+                  file=sys.stderr)
 
 
 def _run_name(policy_spec: str) -> str:
@@ -338,6 +398,8 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     )
     replay.add_argument("--episode", type=int, default=None, metavar="N",
                         help="with an episodes.jsonl: replay the final state of episode N")
+    replay.add_argument("--rollout", type=int, default=0, metavar="R",
+                        help="with --episode: which of its rollouts (--rollouts-per-task)")
     replay.add_argument("--env-arg", type=_env_arg, action="append", default=[],
                         metavar="KEY=VALUE",
                         help="repeatable; a host setting (isolation, limits, url, paths) to "
@@ -366,6 +428,18 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     evaluation.add_argument("--split", help="data split, passed to the env as split=")
     evaluation.add_argument("--seed", type=int, default=0, help="episode i plays seed+i")
     evaluation.add_argument("--max-tokens", type=int, default=256, help="per model reply")
+    evaluation.add_argument(
+        "--rollouts-per-task", type=_positive, default=1, metavar="K",
+        help="play each task K times with distinct seeds; the summary adds pass@1..K "
+        "(use --temperature > 0 with a model, or the rollouts repeat each other)")
+    evaluation.add_argument("--temperature", type=float, default=0.0,
+                            help="sampling temperature of a model policy")
+    evaluation.add_argument(
+        "--history-window", type=_positive, default=None, metavar="N",
+        help="show the policy the task and only the last N turns (long-horizon envs such "
+        "as ALFWorld outgrow small contexts); default: the whole chat")
+    evaluation.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                            help="HTTP timeout of an openai: policy's requests")
     evaluation.add_argument("--env-arg", type=_env_arg, action="append", default=[],
                             metavar="KEY=VALUE",
                             help="env constructor argument, VALUE as JSON (else a string)")

@@ -4,10 +4,19 @@ The run directory is the unit of work. ``config.json`` pins what is measured (en
 arguments, policy, seed); ``episodes.jsonl`` gets one line per finished episode, counted
 as done only once fsynced, so a run killed at any moment (even SIGKILL) resumes where it
 stopped: finished episodes are kept, a half-written last line is cut off, and only the
-missing episode indices run again. Episode ``i`` plays task
+missing (episode, rollout) pairs run again. Episode ``i`` plays task
 ``order[i % n]`` of a permutation of the env's n tasks seeded by ``seed`` (every task once
-before any repeats), reset with seed ``seed + i``: a resumed run measures exactly what an
-unbroken one would.
+before any repeats), ``rollouts_per_task`` times; rollout 0 resets with seed ``seed + i``
+and rollout ``r > 0`` with ``derive_seed(seed, i, r)``: a resumed run measures exactly what
+an unbroken one would.
+
+Every setting that changes results (env, its arguments, policy, seed, reply budget,
+temperature, history window) is the run's identity: a resume with another value is refused.
+Asking for more episodes or more rollouts per task extends a run.
+
+An episode whose prompt outgrows the policy's context ends ``context_length``: it is scored
+with what the env paid until then and recorded like any other, so a resume never retries
+it (errors, unlike it, are retried).
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +40,8 @@ import numpy as np
 from tqdm import tqdm
 
 from agent_gym.core import describe_env
-from agent_gym.policies import Policy, PolicyInput
+from agent_gym.policies import ContextLengthError, Policy, PolicyInput, derive_seed
+from agent_gym.render import window_messages
 
 EPISODES_FILE = "episodes.jsonl"
 ERRORS_FILE = "errors.jsonl"
@@ -42,23 +53,66 @@ class RunMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """What a run measures: ``episodes`` tasks, each played ``rollouts_per_task`` times.
+
+    ``max_tokens``, ``temperature`` and ``history_window`` are the policy's settings, stated
+    here so that they are recorded with the run and a resume cannot mix them; the caller
+    builds the policy with the same values (the command line does).
+    """
+
     env_id: str
     policy: str
     episodes: int
     seed: int = 0
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    rollouts_per_task: int = 1
+    max_tokens: int = 256
+    temperature: float = 0.0
+    history_window: int | None = None
 
-    def same_run(self, other: EvalConfig) -> bool:
-        """Whether ``other`` measures the same thing (it may ask for more episodes)."""
-        return (self.env_id, self.policy, self.seed, self.env_kwargs) == (
-            other.env_id, other.policy, other.seed, other.env_kwargs
-        )
+    def __post_init__(self) -> None:
+        if self.episodes < 1 or self.rollouts_per_task < 1:
+            raise ValueError("episodes and rollouts_per_task must be at least 1")
+        if self.history_window is not None and self.history_window < 1:
+            raise ValueError("a history window keeps at least 1 turn")
+
+    def differences(self, recorded: Mapping[str, Any]) -> list[str]:
+        """The identity settings in which a recorded ``config.json`` differs from this run
+        (more episodes or rollouts extend a run and are no difference)."""
+        mine = json.loads(json.dumps(asdict(self)))
+        return [
+            f"{name}={recorded.get(name, '<not recorded>')!r} (this run: {mine[name]!r})"
+            for name in IDENTITY
+            if recorded.get(name, _MISSING) != mine[name]
+        ]
+
+
+IDENTITY = ("env_id", "policy", "seed", "env_kwargs", "max_tokens", "temperature",
+            "history_window")
+_MISSING = object()
+BOOTSTRAP_SAMPLES = 2000
+BOOTSTRAP_SEED = 0
+
+
+def episode_seed(seed: int, episode: int, rollout: int) -> int:
+    """The reset seed of one rollout: rollout 0 keeps ``seed + episode`` (what runs used
+    before rollouts existed), later ones get seeds derived from all three."""
+    return seed + episode if rollout == 0 else derive_seed(seed, episode, rollout)
 
 
 @dataclass(frozen=True)
 class Summary:
     """A run's figures; those a run with no finished episode cannot have are None (``null``
-    in JSON, which has no NaN)."""
+    in JSON, which has no NaN).
+
+    Intervals are 95%. ``success_low/high`` are Wilson's over episodes with one rollout per
+    task, and a percentile bootstrap over tasks with several (a task's rollouts are not
+    independent draws); ``success_interval`` says which. ``reward_low/high`` and every
+    ``pass_at_k`` interval are percentile bootstraps over tasks. ``pass_at_k`` maps k to the
+    unbiased estimate of Chen et al. (2021) averaged over the tasks with at least k finished
+    rollouts (``tasks``). ``reply_latency`` is seconds per policy call (for an ``openai:``
+    policy: per request to its server, retries included).
+    """
 
     env_id: str
     policy: str
@@ -76,6 +130,19 @@ class Summary:
     synthetic: bool = False
     cut_replies: int = 0
     first_error: str | None = None
+    rollouts_per_task: int = 1
+    tasks: int = 0
+    success_interval: str = "wilson"
+    reward_low: float | None = None
+    reward_high: float | None = None
+    pass_at_k: dict[str, dict[str, float | int | None]] = field(default_factory=dict)
+    context_length: int = 0
+    end_reasons: dict[str, int] = field(default_factory=dict)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    reply_latency_p50: float | None = None
+    reply_latency_p95: float | None = None
+    notes: list[str] = field(default_factory=list)
+    interrupted: bool = False
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -90,6 +157,34 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of a task with ``c`` successes in ``n`` samples (Chen et al. 2021):
+    ``1 - C(n-c, k) / C(n, k)``, the chance that k of the n samples drawn without
+    replacement include a success.
+
+    Computed as ``1 - prod_{i=n-c+1..n} (1 - k/i)``: c factors in [0, 1), no binomial
+    that overflows a float and no difference of two huge numbers.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def bootstrap_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (one value per task),
+    seeded so a summary is reproducible."""
+    if not values:
+        return 0.0, 1.0
+    data = np.asarray(values, dtype=float)
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    means = data[rng.integers(0, len(data), (BOOTSTRAP_SAMPLES, len(data)))].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     ordered = sorted(values)
     if not ordered:
@@ -99,47 +194,124 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def _task_key(record: Mapping[str, Any]) -> tuple[str, int]:
+    """(env, episode): the task a record is a rollout of. The env comes from the saved
+    state, which a run pooled over envs (a suite's overall row) needs; a record whose state
+    is unreadable (``agent-gym rescore`` reports those) still counts under its episode."""
+    state = record.get("final_state")
+    env_id = state.get("env_id") if isinstance(state, dict) else None
+    return str(env_id), int(record["episode"])
+
+
 def summarize(
-    config: EvalConfig, records: list[dict[str, Any]], errors: int, first_error: str | None = None
+    config: EvalConfig, records: list[dict[str, Any]], errors: int, first_error: str | None = None,
+    *, interrupted: bool = False,
 ) -> Summary:
+    """Figures of a run's finished episodes; a task is one (env, episode) and its rollouts
+    are ``config.rollouts_per_task`` samples of it (``overall`` pools tasks of many envs)."""
     n = len(records)
     successes = sum(bool(r["success"]) for r in records)
-    low, high = wilson_interval(successes, n)
+    by_task: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_task[_task_key(record)].append(record)
+    rollouts = config.rollouts_per_task
+    pass_k: dict[str, dict[str, float | int | None]] = {}
+    for k in range(1, rollouts + 1):
+        values = [pass_at_k(len(rs), sum(bool(r["success"]) for r in rs), k)
+                  for rs in by_task.values() if len(rs) >= k]
+        low, high = bootstrap_interval(values)
+        pass_k[str(k)] = {"estimate": statistics.fmean(values) if values else None,
+                          "low": low, "high": high, "tasks": len(values)}
+    if rollouts == 1:
+        low, high = wilson_interval(successes, n)
+    else:
+        low, high = pass_k["1"]["low"], pass_k["1"]["high"]
+    task_rewards = [statistics.fmean(r["reward"] for r in rs) for rs in by_task.values()]
+    reward_low, reward_high = bootstrap_interval(task_rewards) if n else (None, None)
     tokens = [r["completion_tokens"] for r in records if r["completion_tokens"] is not None]
     latencies = [r["latency_s"] for r in records]
+    replies = [reply for r in records for reply in r.get("replies", ())]
+    reply_latencies = [reply["latency_s"] for reply in replies]
+    ends = Counter(r.get("end_reason", "") for r in records)
     return Summary(
         env_id=config.env_id,
         policy=config.policy,
         episodes=n,
         errors=errors,
         success_rate=successes / n if n else None,
-        success_low=low,
-        success_high=high,
+        success_low=float(low),
+        success_high=float(high),
         mean_reward=statistics.fmean(r["reward"] for r in records) if n else None,
         mean_turns=statistics.fmean(r["turns"] for r in records) if n else None,
         mean_tokens=statistics.fmean(tokens) if tokens else None,
         latency_p50=percentile(latencies, 0.5),
         latency_p95=percentile(latencies, 0.95),
         synthetic=any(r.get("synthetic", False) for r in records),
-        cut_replies=sum(r.get("end_reason") == "max_tokens" for r in records),
+        cut_replies=ends["max_tokens"],
         first_error=first_error,
+        rollouts_per_task=rollouts,
+        tasks=len(by_task),
+        success_interval="wilson" if rollouts == 1 else "bootstrap over tasks",
+        reward_low=reward_low,
+        reward_high=reward_high,
+        pass_at_k=pass_k,
+        context_length=ends["context_length"],
+        end_reasons=dict(sorted(ends.items())),
+        finish_reasons=dict(sorted(Counter(
+            reply["finish_reason"] for reply in replies if reply.get("finish_reason")
+        ).items())),
+        reply_latency_p50=percentile(reply_latencies, 0.5),
+        reply_latency_p95=percentile(reply_latencies, 0.95),
+        notes=_notes(config, replies),
+        interrupted=interrupted,
     )
 
 
+def _notes(config: EvalConfig, replies: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What a user should know about how the server answered."""
+    offered = [reply["tool_calls"] for reply in replies if reply.get("tool_calls") is not None]
+    if offered and not any(offered):
+        base = config.policy.partition("#")[0]
+        return [
+            f"tools were offered natively on {len(offered)} replies and none carried "
+            "tool_calls: the server may ignore tools (or drop role 'tool' content, as "
+            f"llama-cpp-python does); describe them in the prompt with --policy '{base}#text'"
+        ]
+    return []
+
+
 def format_table(summaries: Sequence[Summary]) -> str:
+    """The run table, then (when a run has several rollouts per task) its pass@k table."""
     header = ("env", "policy", "n", "success [95% CI]", "reward", "turns", "tokens",
-              "latency p50/p95 s", "errors")
+              "latency p50/p95 s", "reply p50/p95 s", "errors")
     rows = [header]
     for s in summaries:
         rows.append((
-            s.env_id.removeprefix("agent_gym/") + (" (synthetic data)" if s.synthetic else ""),
+            s.env_id.removeprefix("agent_gym/") + (" (synthetic data)" if s.synthetic else "")
+            + (" (interrupted)" if s.interrupted else ""),
             s.policy, str(s.episodes),
             _figure(s.success_rate, ".2f") + f" [{s.success_low:.2f}, {s.success_high:.2f}]",
             _figure(s.mean_reward, ".3f"), _figure(s.mean_turns, ".1f"),
             _figure(s.mean_tokens, ".0f"),
-            f"{_figure(s.latency_p50, '.2f')}/{_figure(s.latency_p95, '.2f')}", str(s.errors),
+            f"{_figure(s.latency_p50, '.2f')}/{_figure(s.latency_p95, '.2f')}",
+            f"{_figure(s.reply_latency_p50, '.2f')}/{_figure(s.reply_latency_p95, '.2f')}",
+            str(s.errors),
         ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    text = _aligned(rows)
+    multi = [s for s in summaries if s.rollouts_per_task > 1]
+    if multi:
+        rows = [("env", "policy", "k", "pass@k [95% bootstrap CI over tasks]", "tasks")]
+        for s in multi:
+            for k, row in s.pass_at_k.items():
+                rows.append((s.env_id.removeprefix("agent_gym/"), s.policy, k,
+                             _figure(row["estimate"], ".3f")
+                             + f" [{row['low']:.3f}, {row['high']:.3f}]", str(row["tasks"])))
+        text += "\n\n" + _aligned(rows)
+    return text
+
+
+def _aligned(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -147,6 +319,9 @@ def format_table(summaries: Sequence[Summary]) -> str:
 
 def _figure(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+Key = tuple[int, int]  # (episode, rollout)
 
 
 class RunLog:
@@ -157,11 +332,11 @@ class RunLog:
         out_dir.mkdir(parents=True, exist_ok=True)
         config_path = out_dir / "config.json"
         if config_path.exists():
-            previous = EvalConfig(**json.loads(config_path.read_text(encoding="utf-8")))
-            if not previous.same_run(config):
+            differences = config.differences(json.loads(config_path.read_text(encoding="utf-8")))
+            if differences:
                 raise RunMismatchError(
-                    f"{out_dir} holds a run of {previous}; this is {config}. "
-                    "Use another --out directory."
+                    f"{out_dir} holds another run: {'; '.join(differences)}. Rerun with the "
+                    "recorded settings to resume it. Use another --out directory for a new run."
                 )
         _write_atomically(config_path, json.dumps(asdict(config), indent=2))
         self.episodes_path = out_dir / EPISODES_FILE
@@ -174,11 +349,11 @@ class RunLog:
         self._errors: _GroupCommitFile | None = None  # opened at the first error
 
     @staticmethod
-    def _recover(path: Path) -> dict[int, dict[str, Any]]:
+    def _recover(path: Path) -> dict[Key, dict[str, Any]]:
         """Finished episodes; cuts off a last line a kill left half-written."""
         if not path.exists():
             return {}
-        records: dict[int, dict[str, Any]] = {}
+        records: dict[Key, dict[str, Any]] = {}
         good_bytes = 0
         with path.open("rb") as handle:
             for line in handle:
@@ -188,31 +363,42 @@ class RunLog:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     break
-                records.setdefault(int(record["episode"]), record)
+                records.setdefault(record_key(record), record)
                 good_bytes += len(line)
         if good_bytes != path.stat().st_size:
             with path.open("r+b") as handle:
                 handle.truncate(good_bytes)
         return records
 
+    def finished(self, config: EvalConfig) -> list[dict[str, Any]]:
+        """The finished episodes ``config`` asks for, in (episode, rollout) order."""
+        return [self.records[key] for key in sorted(self.records)
+                if key[0] < config.episodes and key[1] < config.rollouts_per_task]
+
     def write(self, record: dict[str, Any]) -> Awaitable[None]:
         """Log a finished episode; the returned awaitable resolves once it is durable."""
-        self.records[record["episode"]] = record
+        self.records[record_key(record)] = record
         return self._episodes.append(record)
 
-    def write_error(self, episode: int, error: BaseException) -> Awaitable[None]:
+    def write_error(self, key: Key, error: BaseException) -> Awaitable[None]:
         self.errors += 1
         text = f"{type(error).__name__}: {error}"
         self.first_error = self.first_error or text
         if self._errors is None:
             self._errors = _GroupCommitFile(self._errors_path)
-        return self._errors.append({"episode": episode, "error": text})
+        return self._errors.append({"episode": key[0], "rollout": key[1], "error": text})
 
     def close(self) -> None:
         """Commit what is pending and stop the writers (blocks: call it off the loop)."""
         for writer in (self._episodes, self._errors):
             if writer is not None:
                 writer.close()
+
+
+def record_key(record: Mapping[str, Any]) -> Key:
+    """An episode line's (episode, rollout); lines written before rollouts existed are
+    rollout 0."""
+    return int(record["episode"]), int(record.get("rollout", 0))
 
 
 class _GroupCommitFile:
@@ -303,20 +489,37 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 async def play_episode(
-    env: gymnasium.Env, policy: Policy, episode: int, seed: int, task_index: int
+    env: gymnasium.Env, policy: Policy, episode: int, seed: int, task_index: int,
+    *, rollout: int = 0, history_window: int | None = None,
 ) -> dict[str, Any]:
-    """One episode; env calls run in threads so sandboxes and HTTP never block the loop."""
+    """One episode; env calls run in threads so sandboxes and HTTP never block the loop.
+
+    The policy sees the chat through ``history_window`` (``agent_gym.render``); a prompt
+    that outgrows its context ends the episode ``context_length``, scored as it stands.
+    """
     started = time.perf_counter()
     _, info = await asyncio.to_thread(env.reset, seed=seed, options={"index": task_index})
     messages = list(info["messages"])
+    opening = len(messages)
     tools, privileged = info["tools"], info["privileged"]
     synthetic = bool(info.get("synthetic", False))
     total_reward, invalid, turns = 0.0, 0, 0
     prompt_tokens: int | None = 0
     completion_tokens: int | None = 0
-    end_reason = ""
+    replies: list[dict[str, Any]] = []
+    end_reason, context_error = "", None
     while not end_reason:
-        reply = await policy.act(PolicyInput(list(messages), tools, turns, privileged, info))
+        shown = window_messages(messages, opening, history_window)
+        asked = time.perf_counter()
+        try:
+            reply = await policy.act(
+                PolicyInput(shown, tools, turns, privileged, info, seed=seed, rollout=rollout)
+            )
+        except ContextLengthError as err:
+            end_reason, context_error = "context_length", str(err)
+            break
+        replies.append({"finish_reason": reply.finish_reason, "tool_calls": reply.tool_calls,
+                        "latency_s": round(time.perf_counter() - asked, 4)})
         messages.append({"role": "assistant", "content": reply.text})
         prompt_tokens = _add(prompt_tokens, reply.prompt_tokens)
         completion_tokens = _add(completion_tokens, reply.completion_tokens)
@@ -332,8 +535,9 @@ async def play_episode(
         invalid += bool(info.get("invalid"))
         end_reason = "terminated" if terminated else "truncated" if truncated else ""
     state = env.unwrapped.save_state()
-    return {
+    record = {
         "episode": episode,
+        "rollout": rollout,
         "seed": seed,
         "task_id": state.task_id,
         "synthetic": synthetic,
@@ -346,9 +550,13 @@ async def play_episode(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "latency_s": round(time.perf_counter() - started, 4),
+        "replies": replies,
         "transcript": messages,
         "final_state": json.loads(state.to_json()),
     }
+    if context_error is not None:
+        record["context_error"] = context_error
+    return record
 
 
 def _add(total: int | None, value: int | None) -> int | None:
@@ -364,11 +572,14 @@ async def evaluate(
     progress: bool = True,
     make_env: Callable[[], Any] | None = None,
 ) -> Summary:
-    """Run the missing episodes of ``config`` into ``out_dir`` and summarise all of them.
+    """Run the missing (episode, rollout) pairs of ``config`` into ``out_dir`` and summarise
+    all of them.
 
     ``make_env`` builds one env per concurrent episode slot; by default
     ``gymnasium.make`` in this process (``agent_gym.distributed.RemoteEnv`` puts it in a
-    Ray actor instead).
+    Ray actor instead). A run cancelled (Ctrl-C, SIGTERM through the command line) still
+    writes ``summary.json`` of its finished episodes, marked ``interrupted``. The policy's
+    connections (``aclose``) are closed when the run ends: they belong to this event loop.
     """
     if make_env is None:
         def make_env() -> Any:
@@ -377,12 +588,14 @@ async def evaluate(
     log = RunLog(out_dir, config)
     num_tasks, _ = await asyncio.to_thread(describe_env, config.env_id, config.env_kwargs)
     order = np.random.default_rng(config.seed).permutation(num_tasks)
-    todo: asyncio.Queue[int] = asyncio.Queue()
+    todo: asyncio.Queue[Key] = asyncio.Queue()
+    planned = config.episodes * config.rollouts_per_task
     for episode in range(config.episodes):
-        if episode not in log.records:
-            todo.put_nowait(episode)
+        for rollout in range(config.rollouts_per_task):
+            if (episode, rollout) not in log.records:
+                todo.put_nowait((episode, rollout))
     bar = tqdm(
-        total=config.episodes, initial=config.episodes - todo.qsize(), disable=not progress,
+        total=planned, initial=planned - todo.qsize(), disable=not progress,
         desc=f"{config.env_id.removeprefix('agent_gym/')} / {config.policy}", unit="ep",
     )
 
@@ -399,14 +612,15 @@ async def evaluate(
         env = await asyncio.to_thread(make_env)
         try:
             while not todo.empty():
-                episode = todo.get_nowait()
+                episode, rollout = key = todo.get_nowait()
                 try:
                     record = await play_episode(
-                        env, policy, episode, config.seed + episode,
-                        int(order[episode % num_tasks]),
+                        env, policy, episode, episode_seed(config.seed, episode, rollout),
+                        int(order[episode % num_tasks]), rollout=rollout,
+                        history_window=config.history_window,
                     )
                 except Exception as err:  # one broken episode must not sink the run
-                    committed(log.write_error(episode, err))
+                    committed(log.write_error(key, err))
                     # The env may be mid-episode in an unknown state: start a fresh one.
                     await asyncio.to_thread(env.close)
                     env = await asyncio.to_thread(make_env)
@@ -415,13 +629,41 @@ async def evaluate(
         finally:
             await asyncio.to_thread(env.close)
 
+    finished = False
     try:
         await asyncio.gather(*(worker() for _ in range(max(1, min(concurrency, todo.qsize())))))
         await asyncio.gather(*commits)
+        finished = True
     finally:
         await asyncio.to_thread(log.close)
         bar.close()
-    finished = [log.records[i] for i in sorted(log.records) if i < config.episodes]
-    summary = summarize(config, finished, log.errors, log.first_error)
-    _write_atomically(out_dir / "summary.json", json.dumps(asdict(summary), indent=2))
+        summary = summarize(config, log.finished(config), log.errors, log.first_error,
+                            interrupted=not finished)
+        _write_atomically(out_dir / "summary.json", json.dumps(asdict(summary), indent=2))
+        close = getattr(policy, "aclose", None)
+        if close is not None:
+            await close()
     return summary
+
+
+def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary:
+    """One policy's figures over several envs' runs (a suite): every task of every env
+    counts once, and the intervals are bootstraps over all of those tasks."""
+    first = runs[0][0]
+    records = [
+        record
+        for config, _, out_dir in runs
+        for key, record in sorted(RunLog._recover(out_dir / EPISODES_FILE).items())
+        if key[0] < config.episodes and key[1] < config.rollouts_per_task
+    ]
+    config = EvalConfig("overall", first.policy, max(c.episodes for c, _, _ in runs),
+                        rollouts_per_task=min(c.rollouts_per_task for c, _, _ in runs))
+    errors = sum(summary.errors for _, summary, _ in runs)
+    first_error = next((s.first_error for _, s, _ in runs if s.first_error), None)
+    return summarize(config, records, errors, first_error,
+                     interrupted=any(s.interrupted for _, s, _ in runs))
+
+
+def read_summary(out_dir: Path) -> Summary:
+    """A run's ``summary.json`` as written by ``evaluate``."""
+    return Summary(**json.loads((out_dir / "summary.json").read_text(encoding="utf-8")))

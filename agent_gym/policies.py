@@ -11,7 +11,8 @@ Specs for the command line:
 * ``random`` — a random admissible action, for envs that list them;
 * ``openai:MODEL@BASE_URL`` — any OpenAI-compatible chat endpoint (vLLM, SGLang,
   llama.cpp, OpenAI); the key comes from ``$OPENAI_API_KEY``; append ``#text`` to describe
-  tools in the prompt instead of passing them natively;
+  tools in the prompt instead of passing them natively (for servers that ignore ``tools``
+  or drop ``role: "tool"`` content, as llama-cpp-python's does);
 * ``local[:MODEL][@CHECKPOINT]`` — the local torch backend's sampler (default model: the
   embedded SmolLM2-135M-Instruct; ``tiny``, or any local Hugging Face directory; a
   checkpoint saved by ``agent-gym train``);
@@ -21,8 +22,13 @@ Specs for the command line:
 The sampler policies (``local``, ``pytrio``) need torch or the PyTRIO SDK, which this
 package does not depend on: another installed package supplies them under the
 ``agent_gym.policies`` entry-point group, one entry per spec prefix, each a callable
-``(spec, *, seed, max_tokens, device, threads) -> Policy`` (``device`` and ``threads`` place
-a local model; remote samplers ignore them). The bundled ``trainers`` package registers both.
+``(spec, *, seed, max_tokens, temperature, device, threads) -> Policy`` (``device`` and
+``threads`` place a local model; remote samplers ignore them). The bundled ``trainers``
+package registers both.
+
+A prompt longer than the policy's context is an outcome of the episode, not a failure of
+the policy: a policy raises :class:`ContextLengthError` (a server said so, or the prompt is
+longer than a local model's positions) and eval ends the episode there as ``context_length``.
 """
 
 from __future__ import annotations
@@ -48,26 +54,87 @@ class PolicyError(RuntimeError):
     """A policy could not produce a reply (its server kept failing, say)."""
 
 
+class ContextLengthError(PolicyError):
+    """The prompt does not fit the policy's context: the episode cannot continue, and no
+    retry or resume would change that."""
+
+
+# How OpenAI-compatible servers say a request does not fit the context (lower case):
+# OpenAI's error code and message, vLLM's and SGLang's messages, llama.cpp's C++ server
+# ("exceeds the available context size") and llama-cpp-python ("exceed context window").
+CONTEXT_LENGTH_MARKERS = (
+    "context_length_exceeded",
+    "maximum context length",
+    "exceeds the context",
+    "exceeds the available context",
+    "exceed context window",
+    "exceed_context_size",
+    "longer than the maximum model length",
+    "longer than the model's context length",
+)
+# How servers say a request is malformed, when they answer it with a 5xx (llama.cpp's
+# server answers content it cannot template, such as ``null``, with HTTP 500): a retry
+# sends the same request and gets the same answer.
+VALIDATION_MARKERS = (
+    "validation error", "invalid", "type must be", "must be a string", "unsupported",
+    "not supported", "expected string",
+)
+ERROR_TEXT_LIMIT = 2000  # enough of a server's error body to show its cause
+
+
+def says_context_length(text: str) -> bool:
+    """Whether a server's error text says the prompt exceeds the model's context."""
+    lowered = text.lower()
+    return any(marker in lowered for marker in CONTEXT_LENGTH_MARKERS)
+
+
+def derive_seed(*parts: object) -> int:
+    """The one seed derivation: a 31-bit seed from (run seed, episode, rollout, turn, ...).
+
+    Seeds depend on what they are for, never on scheduling order, so a resumed or
+    concurrent run draws what an uninterrupted sequential one would (``trainers.run``
+    derives its step and group seeds with it too).
+    """
+    key = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(key, "little") & 0x7FFFFFFF
+
+
 @dataclass
 class PolicyInput:
     """What a policy may look at. Model policies read only ``messages`` and ``tools``;
-    ``privileged`` and ``info`` are there for scripted baselines."""
+    ``privileged`` and ``info`` are there for scripted baselines.
+
+    ``messages`` may be a window of the episode's chat (``agent_gym.render.window_messages``):
+    a policy that keeps state across turns must check that they extend what it saw before.
+    ``seed`` is the episode's (distinct per task and rollout) and ``rollout`` its index among
+    the task's rollouts: a sampling policy derives its draws from them, so rollouts differ
+    and a resumed run draws what an unbroken one would.
+    """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     turn: int
     privileged: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    rollout: int = 0
 
 
 @dataclass
 class Reply:
-    """The assistant's text; ``cut`` when a token budget stopped it before it ended."""
+    """The assistant's text; ``cut`` when a token budget stopped it before it ended.
+
+    ``finish_reason`` is the server's (``stop``, ``length``, ``tool_calls``); ``tool_calls``
+    counts the native tool calls of a reply to a request that offered tools natively (None
+    when none were offered), so a run can tell that a server ignores its tools.
+    """
 
     text: str
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cut: bool = False
+    finish_reason: str | None = None
+    tool_calls: int | None = None
 
 
 class Policy(Protocol):
@@ -106,7 +173,9 @@ class RandomAdmissiblePolicy:
         if not admissible:
             raise PolicyError("this env lists no admissible_actions in its info")
         opening = json.dumps(observation.messages[:2], sort_keys=True)
-        key = f"{self.seed}:{observation.turn}:{opening}".encode()
+        # Rollout 0 keeps the key runs had before rollouts existed, so they replay unchanged.
+        rollout = f":{observation.rollout}" if observation.rollout else ""
+        key = f"{self.seed}:{observation.turn}:{opening}{rollout}".encode()
         rng = random.Random(hashlib.sha256(key).digest())
         return Reply(rng.choice(list(admissible)))
 
@@ -115,9 +184,19 @@ class RandomAdmissiblePolicy:
 class OpenAIChatPolicy:
     """Chat completions over httpx with timeouts and bounded retries with backoff.
 
-    ``native_tools=True`` passes the tool schemas as ``tools`` and turns returned
+    ``native_tools=True`` passes the tool schemas as ``tools`` (with ``tool_choice:
+    "auto"``: llama.cpp's server ignores tools without it) and turns returned
     ``tool_calls`` into ``<tool_call>`` text; ``False`` describes the tools in the system
     prompt and lets the model write the tags itself (for servers without tool support).
+
+    Only transient failures are retried (connection errors, 408/409/429, 5xx that do not
+    say the request is malformed); a context overflow raises :class:`ContextLengthError`.
+
+    The HTTP client belongs to the event loop that uses it: it is made on first use in a
+    loop and remade when a later ``asyncio.run`` calls the policy (a client's connections
+    are bound to the loop that opened them; reusing them from another loop raised
+    ``Event loop is closed`` for every env of a suite after the first). ``aclose`` closes
+    it; ``agent_gym.eval.evaluate`` does so when its run ends.
     """
 
     RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -131,32 +210,48 @@ class OpenAIChatPolicy:
         api_key: str | None = None,
         native_tools: bool = True,
         temperature: float = 0.0,
-        max_tokens: int = 1024,
+        max_tokens: int = 256,
         timeout: float = 60.0,
         max_retries: int = 3,
         backoff: float = 0.5,
     ) -> None:
         self.name = f"openai:{model}"
         self.model = model
+        self.base_url = base_url.rstrip("/")
         self.native_tools = native_tools
         self.temperature = temperature
         self.max_tokens = max_tokens
+        self.timeout = timeout
         self.max_retries = max_retries
         self.backoff = backoff
         key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        # Several clients, used in turn: httpcore's pool scans every connection it holds
-        # (a socket poll for each idle one) on each request and each release, so one pool
-        # of 32 busy connections cost 4.5 ms of loop time per request; pools of a few
-        # connections each keep that scan short. One TLS context serves them all.
-        tls = httpx.create_ssl_context()
-        self._clients = [
-            httpx.AsyncClient(
-                base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, verify=tls,
-                limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
-            ) for _ in range(self.CLIENTS)
-        ]
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # Clients belong to the event loop that made them (a suite runs one loop per env).
+        self._clients: list[httpx.AsyncClient] = []
+        self._client_loop: asyncio.AbstractEventLoop | None = None
         self._calls = itertools.count()
+
+    def _http(self) -> httpx.AsyncClient:
+        """One of several clients, used in turn, made for the running loop.
+
+        httpcore's pool scans every connection it holds (a socket poll for each idle one)
+        on each request and each release, so one pool of 32 busy connections cost 4.5 ms of
+        loop time per request; pools of a few connections each keep that scan short. One
+        TLS context serves them all. Clients left by a finished loop cannot be closed from
+        this one; their sockets went with that loop.
+        """
+        loop = asyncio.get_running_loop()
+        if not self._clients or self._client_loop is not loop:
+            tls = httpx.create_ssl_context()
+            self._clients = [
+                httpx.AsyncClient(
+                    base_url=self.base_url, headers=self._headers, timeout=self.timeout,
+                    verify=tls,
+                    limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+                ) for _ in range(self.CLIENTS)
+            ]
+            self._client_loop = loop
+        return self._clients[next(self._calls) % self.CLIENTS]
 
     async def act(self, observation: PolicyInput) -> Reply:
         body: dict[str, Any] = {
@@ -164,26 +259,35 @@ class OpenAIChatPolicy:
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
         }
+        if self.temperature > 0:  # greedy replies need no seed; sampled ones get their own
+            body["seed"] = derive_seed(observation.seed, observation.turn)
+        offered = self.native_tools and bool(observation.tools)
         if self.native_tools:
             body["messages"] = _native_tool_messages(observation.messages)
             if observation.tools:
                 body["tools"] = observation.tools
+                body["tool_choice"] = "auto"
         else:
             body["messages"] = _text_tool_messages(observation.messages, observation.tools)
         payload = await self._post("/chat/completions", body)
         try:
             choice = payload["choices"][0]
             message = choice["message"]
-            text = _tool_calls_as_text(message.get("content") or "", message.get("tool_calls"))
+            calls = message.get("tool_calls") or []
+            text = _tool_calls_as_text(message.get("content") or "", calls)
         except (KeyError, IndexError, TypeError) as err:
-            raise PolicyError(f"malformed chat completion: {str(payload)[:200]}") from err
+            raise PolicyError(
+                f"malformed chat completion: {str(payload)[:ERROR_TEXT_LIMIT]}"
+            ) from err
         usage = payload.get("usage") or {}
+        finish = choice.get("finish_reason")
         return Reply(text, usage.get("prompt_tokens"), usage.get("completion_tokens"),
-                     cut=choice.get("finish_reason") == "length")
+                     cut=finish == "length", finish_reason=finish,
+                     tool_calls=len(calls) if offered else None)
 
     async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         problem = ""
-        client = self._clients[next(self._calls) % self.CLIENTS]
+        client = self._http()
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
@@ -192,21 +296,33 @@ class OpenAIChatPolicy:
             except httpx.TransportError as err:
                 problem = f"{type(err).__name__}: {err}"
                 continue
-            if response.status_code in self.RETRY_STATUS:
-                problem = f"HTTP {response.status_code}: {response.text[:200]}"
-                continue
-            if response.status_code != 200:
-                raise PolicyError(f"HTTP {response.status_code}: {response.text[:200]}")
-            try:
-                return response.json()
-            except json.JSONDecodeError as err:
-                problem = f"response is not JSON: {response.text[:200]!r}"
-                if attempt == self.max_retries:
-                    raise PolicyError(problem) from err
+            if response.status_code == 200:
+                try:
+                    return response.json()
+                except json.JSONDecodeError as err:
+                    problem = f"response is not JSON: {response.text[:ERROR_TEXT_LIMIT]!r}"
+                    if attempt == self.max_retries:
+                        raise PolicyError(problem) from err
+                    continue
+            text = response.text[:ERROR_TEXT_LIMIT]
+            problem = f"HTTP {response.status_code}: {text}"
+            if says_context_length(text):
+                raise ContextLengthError(problem)
+            transient = response.status_code in self.RETRY_STATUS and not (
+                response.status_code == 500 and _says_invalid(text)
+            )
+            if not transient:
+                raise PolicyError(problem)
         raise PolicyError(f"gave up after {self.max_retries + 1} attempts; last: {problem}")
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(client.aclose() for client in self._clients))
+        clients, self._clients, self._client_loop = self._clients, [], None
+        await asyncio.gather(*(client.aclose() for client in clients))
+
+
+def _says_invalid(text: str) -> bool:
+    lowered = text.lower()
+    return any(marker in lowered for marker in VALIDATION_MARKERS)
 
 
 _CALL_RE = re.compile(
@@ -226,7 +342,8 @@ def _native_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
                 pending_id = f"call_{index}"
                 converted.append({
                     "role": "assistant",
-                    "content": message["content"][: match.start()].strip() or None,
+                    # "" and not null: llama.cpp's server answers null content with a 500.
+                    "content": message["content"][: match.start()].strip(),
                     "tool_calls": [{
                         "id": pending_id, "type": "function",
                         "function": {"name": call["name"],
@@ -300,10 +417,11 @@ def plugin_policies() -> dict[str, PolicyBuilder]:
 
 
 def make_policy(
-    spec: str, *, seed: int = 0, max_tokens: int = 256, device: str = "auto",
-    threads: int | None = None,
+    spec: str, *, seed: int = 0, max_tokens: int = 256, temperature: float = 0.0,
+    timeout: float = 60.0, device: str = "auto", threads: int | None = None,
 ) -> Policy:
-    """Build a policy from a command-line spec (see the module docstring)."""
+    """Build a policy from a command-line spec (see the module docstring); ``timeout`` is
+    an ``openai:`` policy's HTTP timeout in seconds."""
     if spec == "oracle":
         return OraclePolicy()
     if spec == "random":
@@ -316,12 +434,14 @@ def make_policy(
         if mode not in ("", "text", "native"):
             raise ValueError(f"tool mode must be #native or #text, got #{mode}")
         return OpenAIChatPolicy(
-            model, base_url, native_tools=mode != "text", max_tokens=max_tokens
+            model, base_url, native_tools=mode != "text", max_tokens=max_tokens,
+            temperature=temperature, timeout=timeout,
         )
     plugins = plugin_policies()
     prefix = spec.partition(":")[0]
     if prefix in plugins:
         builder = plugins[prefix]()
-        return builder(spec, seed=seed, max_tokens=max_tokens, device=device, threads=threads)
+        return builder(spec, seed=seed, max_tokens=max_tokens, temperature=temperature,
+                       device=device, threads=threads)
     known = ["oracle", "random", "openai:MODEL@URL", *(f"{name}[:MODEL]" for name in plugins)]
     raise ValueError(f"unknown policy {spec!r}; use one of: {', '.join(known)}")

@@ -42,6 +42,28 @@ Message = Mapping[str, Any]
 _MARK = "\u2063probe-answer\u2063"
 
 
+def window_messages(
+    messages: Sequence[Message], opening: int, turns: int | None
+) -> list[dict[str, Any]]:
+    """The chat a policy is shown under a history window of ``turns`` turns.
+
+    Keeps the ``opening`` messages (the task: system prompt and first user message) and
+    the last ``turns`` turns, a turn being an assistant message and the env's answers to
+    it, as ALFWorld agents commonly do to stay inside a model's context. ``None`` keeps
+    everything. Eval policies and the trainers both cut here, so a trained policy is
+    evaluated on the prompts it was trained on. Linear in the chat's length.
+    """
+    if turns is None:
+        return [dict(m) for m in messages]
+    if turns < 1:
+        raise ValueError(f"a history window keeps at least 1 turn, got {turns}")
+    starts = [i for i in range(opening, len(messages)) if messages[i]["role"] == "assistant"]
+    if len(starts) <= turns:
+        return [dict(m) for m in messages]
+    keep = starts[len(starts) - turns]
+    return [dict(m) for m in messages[:opening]] + [dict(m) for m in messages[keep:]]
+
+
 class TemplateError(ValueError):
     """The chat template cannot produce token-continuous multi-turn prompts."""
 
@@ -221,6 +243,15 @@ class Conversation:
         return Conversation(
             self.renderer, self.opening, self.tools, list(self.tokens), list(self.messages)
         )
+
+    def windowed(self, turns: int) -> Conversation:
+        """This chat under a history window of ``turns`` (``window_messages``), rendered
+        afresh. The new prompt does not extend the old one: a window cut is where token
+        continuity restarts, and the trainers train the tokens before and after it as
+        separate sequences."""
+        messages = window_messages(self.messages, len(self.opening), turns)
+        return Conversation(self.renderer, self.opening, self.tools,
+                            self.renderer.prompt(messages, self.tools or None), messages)
 
     def append(self, completion: Sequence[int], new_messages: Sequence[Message]) -> list[int]:
         """Extend the prompt by one sampled turn and the env's reply; returns the prompt."""

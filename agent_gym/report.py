@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent_gym.compare import Comparison, PairedDifference
+from agent_gym.eval import record_key
 from agent_gym.runs import EpisodeKey, Run
 
 OPEN_MESSAGE_CHARS = 2000  # longer messages start collapsed (a click shows them whole)
@@ -87,8 +88,9 @@ def render_report(runs: Sequence[Run], comparisons: Sequence[Compared] = ()) -> 
 
 # ------------------------------------------------------------------------------ summary
 def _summary_table(runs: Sequence[Run]) -> str:
-    head = ("run", "env", "policy", "episodes", "success [95% Wilson CI]", "mean reward",
-            "turns", "tokens", "latency p50 / p95 s", "errors", "directory")
+    head = ("run", "env", "policy", "episodes", "success [95% CI]", "mean reward [95% CI]",
+            "pass@k [95% CI]", "end reasons", "turns", "tokens", "latency p50 / p95 s",
+            "errors", "directory")
     rows = []
     for index, run in enumerate(runs):
         s = run.summary()
@@ -96,8 +98,12 @@ def _summary_table(runs: Sequence[Run]) -> str:
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in (
             f"<a href='#run-{index}'>{index + 1}</a>", _e(s.env_id) + synthetic, _e(s.policy),
             f"{s.episodes} of {run.config.episodes}",
-            f"{_figure(s.success_rate, '.3f')} [{s.success_low:.3f}, {s.success_high:.3f}]",
-            _figure(s.mean_reward, ".3f"), _figure(s.mean_turns, ".1f"),
+            f"{_figure(s.success_rate, '.3f')} [{s.success_low:.3f}, {s.success_high:.3f}]"
+            f" <small>{_e(s.success_interval)}</small>",
+            f"{_figure(s.mean_reward, '.3f')}{_interval(s.reward_low, s.reward_high)}",
+            _pass_at_k(s.pass_at_k) if s.rollouts_per_task > 1 else "-",
+            _e(", ".join(f"{reason} {count}" for reason, count in s.end_reasons.items())),
+            _figure(s.mean_turns, ".1f"),
             _figure(s.mean_tokens, ".0f"),
             f"{_figure(s.latency_p50, '.2f')} / {_figure(s.latency_p95, '.2f')}",
             str(s.errors), f"<code>{_e(run.path)}</code>",
@@ -120,7 +126,26 @@ def _summary_table(runs: Sequence[Run]) -> str:
 _SUMMARY_SHOWN = frozenset({
     "env_id", "policy", "episodes", "errors", "success_rate", "success_low", "success_high",
     "mean_reward", "mean_turns", "mean_tokens", "latency_p50", "latency_p95", "synthetic",
+    "success_interval", "reward_low", "reward_high", "pass_at_k", "end_reasons",
+    "rollouts_per_task", "tasks",
 })
+
+
+def _interval(low: float | None, high: float | None) -> str:
+    return "" if low is None or high is None else f" [{low:.3f}, {high:.3f}]"
+
+
+def _pass_at_k(pass_at_k: dict[str, dict[str, float | int | None]]) -> str:
+    """One line per k: the estimate over tasks with at least k rollouts, its interval."""
+    def number(value: float | int | None) -> float | None:
+        return float(value) if isinstance(value, (int, float)) else None
+
+    lines = []
+    for k, figure in pass_at_k.items():
+        low, high = number(figure.get("low")), number(figure.get("high"))
+        lines.append(f"pass@{_e(k)} {_figure(number(figure.get('estimate')), '.3f')}"
+                     f"{_interval(low, high)}")
+    return "<br>".join(lines)
 
 
 def _notes(runs: Sequence[Run]) -> str:
@@ -291,7 +316,7 @@ def _episode(index: int, run: Run, key: EpisodeKey, record: dict[str, Any],
         meta.append("<p class='rewards'>Rewards per step: not in this run's log "
                     "(<code>agent-gym view --replay</code> or <code>rescore</code> recovers "
                     "them)</p>")
-    replay_error = run.rescored.get(number, {}).get("error")
+    replay_error = run.rescored.get(record_key(record), {}).get("error")
     if replay_error:
         meta.append(f"<p class='bad'>Not reproducible from its saved state: {_e(replay_error)}"
                     "</p>")
@@ -318,7 +343,7 @@ def _step_rewards(run: Run, record: dict[str, Any]) -> tuple[list[float] | None,
     recorded = record.get("step_rewards")
     if isinstance(recorded, list):
         return [float(r) for r in recorded], "as recorded"
-    rescored = run.rescored.get(int(record["episode"]), {}).get("step_rewards")
+    rescored = run.rescored.get(record_key(record), {}).get("step_rewards")
     if isinstance(rescored, list):
         return [float(r) for r in rescored], "replayed from the saved state"
     return None, ""

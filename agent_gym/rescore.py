@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import agent_gym
-from agent_gym.eval import Summary, summarize
+from agent_gym.eval import Summary, record_key, summarize
 from agent_gym.runs import RESCORE_FILE, Run
 from agent_gym.state import EnvState, StateError
 
@@ -44,6 +44,7 @@ class Rescored:
     step_rewards: list[float] | None = None
     end_reason: str | None = None
     error: str | None = None
+    rollout: int = 0
 
     @property
     def changed(self) -> bool:
@@ -95,7 +96,7 @@ def rescore_run(run: Run, host_kwargs: Mapping[str, Any] | None = None) -> Resco
 def _rescore_episode(record: dict[str, Any], host_kwargs: dict[str, Any]) -> Rescored:
     old_reward = float(record.get("reward", 0.0))
     base = Rescored(int(record["episode"]), str(record.get("task_id")), old_reward,
-                    bool(record.get("success")))
+                    bool(record.get("success")), rollout=record_key(record)[1])
     try:
         state = EnvState.from_dict(record.get("final_state"))
         env, _, info = agent_gym.make_from_state(state, **host_kwargs)

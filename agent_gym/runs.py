@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent_gym.eval import EPISODES_FILE, ERRORS_FILE, EvalConfig, Summary, summarize
+from agent_gym.eval import (
+    EPISODES_FILE,
+    ERRORS_FILE,
+    EvalConfig,
+    Summary,
+    record_key,
+    summarize,
+)
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -52,7 +59,8 @@ class Run:
     episodes: dict[EpisodeKey, dict[str, Any]]  # in episode-number order
     errors: list[dict[str, Any]]  # the last attempt's failed episodes (errors.jsonl)
     notes: list[str]  # what reading skipped: unreadable lines, duplicates, a cut last line
-    rescored: dict[int, dict[str, Any]]  # `agent-gym rescore`'s findings by episode number
+    # `agent-gym rescore`'s findings by (episode, rollout)
+    rescored: dict[tuple[int, int], dict[str, Any]]
 
     @property
     def label(self) -> str:
@@ -82,17 +90,17 @@ def read_run(path: Path) -> Run:
     config = _read_config(path / CONFIG_FILE)
     notes: list[str] = []
     records = _read_jsonl(path / EPISODES_FILE, notes, required=EPISODE_FIELDS)
-    by_number: dict[int, dict[str, Any]] = {}
+    by_number: dict[tuple[int, int], dict[str, Any]] = {}
     for record in records:
-        number = record["episode"]
+        number = record_key(record)
         if number in by_number:
-            notes.append(f"episode {number} is logged twice; the first line is kept")
+            notes.append(f"episode {_named(number)} is logged twice; the first line is kept")
             continue
         by_number[number] = record
     episodes: dict[EpisodeKey, dict[str, Any]] = {}
     seen: dict[tuple[str, str], int] = {}
     for number in sorted(by_number):
-        if number >= config.episodes:
+        if number[0] >= config.episodes or number[1] >= config.rollouts_per_task:
             continue  # logged by an earlier, longer run: not part of this one's figures
         record = by_number[number]
         task = (config.env_id, str(record["task_id"]))
@@ -102,15 +110,20 @@ def read_run(path: Path) -> Run:
         seen[task] = max(seen.get(task, 0), rollout + 1)
         key = (*task, rollout)
         if key in episodes:
-            notes.append(f"episode {number} repeats task {task[1]!r} rollout {rollout}; skipped")
+            notes.append(f"episode {_named(number)} repeats task {task[1]!r} rollout "
+                         f"{rollout}; skipped")
             continue
         episodes[key] = record
     errors = _read_jsonl(path / ERRORS_FILE, notes, required={"episode": (int,)})
     rescored = {
-        int(item["episode"]): item
+        record_key(item): item
         for item in _read_rescore(path / RESCORE_FILE, notes)
     }
     return Run(path, config, episodes, errors, notes, rescored)
+
+
+def _named(key: tuple[int, int]) -> str:
+    return f"{key[0]}" + (f" rollout {key[1]}" if key[1] else "")
 
 
 def read_runs(paths: list[Path]) -> list[Run]:

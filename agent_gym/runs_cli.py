@@ -62,7 +62,7 @@ def _view(args: argparse.Namespace) -> int:
 def _replayed(run: Run, host_kwargs: dict[str, Any]) -> Run:
     result = rescore_run(run, host_kwargs)
     return dataclasses.replace(
-        run, rescored={e.episode: dataclasses.asdict(e) for e in result.episodes})
+        run, rescored={(e.episode, e.rollout): dataclasses.asdict(e) for e in result.episodes})
 
 
 def _compare(args: argparse.Namespace) -> int:

@@ -50,6 +50,7 @@ def test_a_killed_run_is_shown_and_model_text_never_becomes_markup(
     (run / "summary.json").unlink()
     page = render_report([read_run(run)])
     assert "<script>alert(1)" not in page
+    assert "wilson" in page and "terminated 2" in page
     assert "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;&amp;amp;" in page
     assert "the last line is cut off" in page and "2 of 2" in page
     assert "other-figures" not in page  # nothing beyond the table to say
@@ -135,3 +136,10 @@ def test_report_in_a_headless_browser(tmp_path: Path, capsys: pytest.CaptureFixt
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(tmp_path / "report.png", RESULTS / "report.png")
+
+
+def test_several_rollouts_per_task_show_pass_at_k_in_the_summary(tmp_path: Path) -> None:
+    make_run(tmp_path / "run", WrongOnPolicy(()), episodes=2, rollouts_per_task=2)
+    page = render_report([read_run(tmp_path / "run")])
+    assert "pass@1 1.000 [1.000, 1.000]<br>pass@2 1.000 [1.000, 1.000]" in page
+    assert "bootstrap" in page

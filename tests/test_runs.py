@@ -32,14 +32,18 @@ def test_rollouts_key_episodes_apart(tmp_path: Path) -> None:
     run = tmp_path / "run"
     make_run(run, episodes=3)
     records = episodes(run)
-    # Without a rollout field, a task's next episode is its next rollout...
-    same_task = [{**records[0], "episode": i} for i in range(3)]
+    # Without a rollout field (lines of an eval older than rollouts per task), a task's
+    # next episode is its next rollout...
+    older = {k: v for k, v in records[0].items() if k != "rollout"}
+    same_task = [{**older, "episode": i} for i in range(3)]
     write_episodes(run, same_task)
     task = records[0]["task_id"]
     assert list(read_run(run).episodes) == [(GSM8K, task, 0), (GSM8K, task, 1), (GSM8K, task, 2)]
-    # ...and a recorded rollout index is taken as it is.
+    # ...and a recorded rollout index is taken as it is, within the run's rollouts per task.
+    config = run / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rollouts_per_task": 5}))
     write_episodes(run, [{**r, "rollout": 5 - i} for i, r in enumerate(same_task)])
-    assert list(read_run(run).episodes) == [(GSM8K, task, 5), (GSM8K, task, 4), (GSM8K, task, 3)]
+    assert list(read_run(run).episodes) == [(GSM8K, task, 4), (GSM8K, task, 3)]  # 5 is past it
 
 
 def test_a_newer_config_and_a_suite_directory_are_read(tmp_path: Path) -> None:

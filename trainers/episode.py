@@ -305,6 +305,10 @@ class Episode:
     ``privileged`` what the env revealed for critics only. Rollouts asked to keep states
     also record the env's final ``env_state`` and, for a branch stopped at its turn budget,
     ``next_prompt``: the exact prompt it would have continued from.
+
+    Under a history window (``RolloutConfig.history_window``) every cut restarts the
+    token-continuous prompt: ``earlier`` holds the sequences closed by cuts, in order, and
+    ``sequences`` all of them; each becomes a Datum with the episode's advantage.
     """
 
     task_id: str
@@ -319,12 +323,18 @@ class Episode:
     env_state: EnvState | None = None
     next_prompt: list[int] | None = None
     start: ResumePoint | None = None
+    earlier: tuple[TokenSequence, ...] = ()
+
+    @property
+    def sequences(self) -> tuple[TokenSequence, ...]:
+        """Every token-continuous piece of the episode: ``earlier``, then ``sequence``."""
+        return (*self.earlier, self.sequence)
 
     @property
     def turns(self) -> int:
         """Replies sampled in this episode."""
-        return len(self.sequence.spans)
+        return sum(len(s.spans) for s in self.sequences)
 
     @property
     def sampled_tokens(self) -> int:
-        return self.sequence.sampled_tokens
+        return sum(s.sampled_tokens for s in self.sequences)

@@ -73,6 +73,9 @@ class Args(RunArgs):
         "learning signal (rewards not all equal)")
     max_refill_groups: int = option(
         8, "with --dynamic-sampling: extra groups a step may roll out at most")
+    history_window: int | None = option(
+        None, "show the policy the task and only the last N turns, as `agent-gym eval "
+        "--history-window N` does (each cut restarts the token-continuous prompt)")
 
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
         **RunArgs.DEVICE_DEFAULTS, "group_size": (4, 8)}
@@ -83,7 +86,9 @@ class Args(RunArgs):
                   if min(self.steps, 1 if self.group_size is None else self.group_size) < 1
                   else []),
                 *(["--max-refill-groups must not be negative"] if self.max_refill_groups < 0
-                  else [])]
+                  else []),
+                *(["--history-window must be positive"]
+                  if self.history_window is not None and self.history_window < 1 else [])]
 
     def branches_per_task(self) -> int:
         return self.group_size or 1
@@ -98,7 +103,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     history: list[Metrics] = []
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
-        config = run_rollout_config(run, args.group_size)
+        config = run_rollout_config(run, args.group_size, args.history_window)
         for step in run.progress():
             t0 = time.perf_counter()
             # ---- a fresh sampler on the current weights
@@ -130,8 +135,9 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 advantages = rewards - rewards.mean()
                 if args.normalize_std:
                     advantages /= rewards.std() + 1e-6
-                datums += [build_datum(episode.sequence, float(advantage))
-                           for episode, advantage in zip(group, advantages, strict=True)]
+                datums += [build_datum(sequence, float(advantage))
+                           for episode, advantage in zip(group, advantages, strict=True)
+                           for sequence in episode.sequences]
 
             # ---- one update on the whole logical batch
             trained = run.update(datums)

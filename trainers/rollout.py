@@ -12,6 +12,13 @@ that does not end with the template's stop token was cut by a budget: it is neve
 the environment, so it can never be scored as an answer. The episode ends there with
 ``end_reason="max_tokens"`` and ``cut_reward`` added to what the env already paid.
 
+``history_window`` shows the sampler only the task and the last N turns, cut by the same
+function eval uses (``agent_gym.render.window_messages``), so a policy is trained on the
+prompts it is evaluated on. A cut cannot keep token continuity (the new prompt drops
+tokens of the old), so it restarts it: the episode's sequence so far is closed (kept in
+``Episode.earlier``) and a new one starts from the windowed prompt. Past N turns every
+turn is such a cut, and the trajectory budget counts the current prompt only.
+
 Macro-steps (TEMPO) use the same engine: a group started from a ``ResumePoint`` restores
 every branch from its saved env state and continues its exact prompt tokens instead of a
 fresh task's, each restored branch must reproduce the saved chat message for message (the
@@ -58,10 +65,16 @@ class RolloutConfig:
     top_p: float = 1.0
     cut_reward: float = 0.0
     keep_states: bool = False
+    history_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_turns < 1 or self.max_tokens < 1:
             raise ValueError("group_size, max_turns and max_tokens must be at least 1")
+        if self.history_window is not None and self.history_window < 1:
+            raise ValueError("a history window keeps at least 1 turn")
+        if self.history_window is not None and self.keep_states:
+            raise ValueError("resume points (keep_states) need one token-continuous "
+                             "sequence; they cannot be combined with a history window")
         if self.max_trajectory_tokens < 2:
             raise ValueError("max_trajectory_tokens must be at least 2")
 
@@ -88,6 +101,12 @@ class _Branch:
     sequence: TokenSequence
     rewards: list[float] = field(default_factory=list)
     invalid: int = 0
+    earlier: list[TokenSequence] = field(default_factory=list)  # closed by window cuts
+    dropped: list[dict[str, Any]] = field(default_factory=list)  # messages cut from view
+
+    @property
+    def turns(self) -> int:
+        return sum(len(s.spans) for s in self.earlier) + len(self.sequence.spans)
 
 
 async def rollout_group(
@@ -173,7 +192,9 @@ async def rollout_groups(
     return list(await asyncio.gather(*(one(start, seed) for start, seed in pairs)))
 
 
-def run_rollout_config(run: Run, group_size: int) -> RolloutConfig:
+def run_rollout_config(
+    run: Run, group_size: int, history_window: int | None = None
+) -> RolloutConfig:
     """The budgets a run's arguments set for its groups of ``group_size`` branches; the
     turn budget is the run's (``--max-turns``, else the env's own)."""
     args = run.args
@@ -183,6 +204,7 @@ def run_rollout_config(run: Run, group_size: int) -> RolloutConfig:
     return RolloutConfig(
         group_size=group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,
         max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
+        history_window=history_window,
     )
 
 
@@ -255,7 +277,7 @@ async def _play(group: _Group, branch: _Branch, sampled: SampleSequence) -> Epis
         end = (
             "terminated" if terminated
             else "truncated" if truncated
-            else "max_turns" if len(branch.sequence.spans) >= config.max_turns
+            else "max_turns" if branch.turns >= config.max_turns
             else None
         )
         if end is not None:
@@ -264,6 +286,8 @@ async def _play(group: _Group, branch: _Branch, sampled: SampleSequence) -> Epis
                 episode.next_prompt = list(branch.conversation.append(reply, [answer]))
             return episode
         prompt = branch.conversation.append(reply, [answer])
+        if _past_window(branch.conversation, config.history_window):
+            prompt = _cut(branch, config.history_window)
         room = config.max_trajectory_tokens - len(prompt)
         if room < 1:
             return _finish(group, branch, "trajectory_budget")
@@ -271,9 +295,29 @@ async def _play(group: _Group, branch: _Branch, sampled: SampleSequence) -> Epis
             ModelInput.from_ints(prompt),
             num_samples=1,
             sampling_params=_params(group, min(config.max_tokens, room), branch=branch.index,
-                                    turn=len(branch.sequence.spans)),
+                                    turn=branch.turns),
         )
         sampled = response.sequences[0]
+
+
+def _past_window(conversation: Conversation, window: int | None) -> bool:
+    """Whether the chat holds more turns after its opening than the window shows."""
+    if window is None:
+        return False
+    shown = conversation.messages[len(conversation.opening):]
+    return sum(m["role"] == "assistant" for m in shown) > window
+
+
+def _cut(branch: _Branch, window: int) -> list[int]:
+    """Apply the history window: close the branch's sequence and restart it from the
+    windowed prompt, which it returns."""
+    before = branch.conversation
+    branch.conversation = before.windowed(window)
+    kept = len(branch.conversation.messages) - len(before.opening)
+    branch.dropped.extend(before.messages[len(before.opening): len(before.messages) - kept])
+    branch.earlier.append(branch.sequence)
+    branch.sequence = TokenSequence(())
+    return branch.conversation.tokens
 
 
 def _finish(
@@ -287,7 +331,10 @@ def _finish(
 ) -> Episode:
     """The branch as an ``Episode``: its transcript gets the last ``reply`` (if it was not
     appended to the chat yet) and the env's ``answer`` to it (if any)."""
-    messages = list(branch.conversation.messages)
+    conversation = branch.conversation
+    opening = len(conversation.opening)
+    messages = [*conversation.messages[:opening], *branch.dropped,
+                *conversation.messages[opening:]]
     if reply is not None:
         messages.append({"role": "assistant", "content": group.renderer.completion_text(reply)})
     if answer is not None:
@@ -301,6 +348,7 @@ def _finish(
         privileged=dict(group.opening.get("privileged") or {}),
         env_state=branch.env.unwrapped.save_state() if keep else None,
         start=group.start,
+        earlier=tuple(branch.earlier),
     )
 
 

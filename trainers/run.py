@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -45,6 +44,7 @@ from tqdm import tqdm
 
 from agent_gym.cli import OneLineParser
 from agent_gym.core import describe_env
+from agent_gym.policies import derive_seed
 from agent_gym.render import ChatRenderer
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import active_tokens
@@ -128,17 +128,6 @@ class FullFineTuning(Protocol):
     def create_full_training_client(
         self, base_model: str, seed: int | None = None
     ) -> TrainingClient: ...
-
-
-# --------------------------------------------------------------------- seeds
-def derive_seed(*parts: object) -> int:
-    """The one seed derivation: a 31-bit seed from (run seed, step, purpose, index, ...).
-
-    Seeds depend on what they are for, never on scheduling order, so a resumed run draws
-    what an uninterrupted one would and a deterministic backend reproduces every sample.
-    """
-    key = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
-    return int.from_bytes(key, "little") & 0x7FFFFFFF
 
 
 # --------------------------------------------------------------------- envs

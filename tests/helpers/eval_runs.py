@@ -30,9 +30,11 @@ class WrongOnPolicy:
 
 
 def make_run(out: Path, policy: Any = None, episodes: int = 6, seed: int = 0,
-             env_id: str = GSM8K, env_kwargs: dict[str, Any] | None = None) -> Summary:
+             env_id: str = GSM8K, env_kwargs: dict[str, Any] | None = None,
+             rollouts_per_task: int = 1) -> Summary:
     policy = policy or OraclePolicy()
-    config = EvalConfig(env_id, policy.name, episodes, seed, env_kwargs or {})
+    config = EvalConfig(env_id, policy.name, episodes, seed, env_kwargs or {},
+                        rollouts_per_task=rollouts_per_task)
     return asyncio.run(evaluate(config, policy, out, concurrency=2, progress=False))
 
 

@@ -1,19 +1,55 @@
 """A small OpenAI-compatible chat server on loopback, for tests and benchmarks.
 
-It is a test double of a remote model server (vLLM, OpenAI), with knobs for latency and
-failures: the eval client's retries, error handling and concurrency are exercised against
-real HTTP on a real socket.
+It is a test double of a remote model server (vLLM, OpenAI, llama.cpp), with knobs for
+latency and failures: the eval client's retries, error handling and concurrency are
+exercised against real HTTP on a real socket.
+
+``llama_cpp=True`` mimics what llama-cpp-python's server (SmolLM2, measured in issue 18) did
+to the requests of an earlier client: ``tools`` are ignored unless ``tool_choice`` is sent
+(replies then carry no ``tool_calls``), a message with ``"content": null`` is answered with
+HTTP 500, and ``role: "tool"`` content never reaches the model (``seen`` records the chat as
+the model saw it). ``context_limit`` rejects a prompt longer than that many tokens (counted
+as characters / 4) with HTTP 400 and the message of ``context_style``'s server.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+# What each server answers a prompt that does not fit (status, body), as they word it.
+CONTEXT_ERRORS: dict[str, tuple[int, dict[str, Any]]] = {
+    "llama.cpp": (400, {"error": {
+        "code": 400, "type": "exceed_context_size_error",
+        "message": "the request exceeds the available context size, try increasing it"}}),
+    "llama-cpp-python": (400, {"error": {
+        "message": "Requested tokens (5012) exceed context window of 4096",
+        "type": "internal_server_error"}}),
+    "vllm": (400, {"object": "error", "type": "BadRequestError", "code": 400, "message":
+                   "This model's maximum context length is 4096 tokens. However, you "
+                   "requested 5012 tokens (4756 in the messages, 256 in the completion)."}),
+    "openai": (400, {"error": {
+        "message": "This model's maximum context length is 8192 tokens. However, your "
+        "messages resulted in 9000 tokens.", "type": "invalid_request_error",
+        "param": "messages", "code": "context_length_exceeded"}}),
+}
+# llama.cpp's answer to content it cannot template: its chat template is applied with
+# nlohmann::json, which throws on null.
+NULL_CONTENT_ERROR = {"error": {
+    "code": 500, "type": "server_error",
+    "message": "[json.exception.type_error.302] type must be string, but is null"}}
+
+
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The double's token count of a request: characters of its messages and tools / 4."""
+    text = "".join(str(m.get("content") or "") for m in body.get("messages", []))
+    return (len(text) + len(json.dumps(body.get("tools") or []))) // 4
 
 
 @dataclass
@@ -24,8 +60,37 @@ class Behaviour:
     delay: float = 0.0
     # Status codes to answer with, one per request, before behaving normally.
     failures: list[int] = field(default_factory=list)
+    failure_body: str = '{"error": "injected"}'
     malformed: int = 0  # answer this many requests with broken JSON
     requests: list[dict[str, Any]] = field(default_factory=list)
+    llama_cpp: bool = False
+    context_limit: int | None = None
+    context_style: str = "llama.cpp"
+    # The chats the model saw (what a llama_cpp server kept of each request).
+    seen: list[list[dict[str, Any]]] = field(default_factory=list)
+
+
+def _as_seen(body: dict[str, Any], llama_cpp: bool) -> dict[str, Any]:
+    if not llama_cpp:
+        return body
+    seen = dict(body)
+    seen["messages"] = [
+        {**m, "content": ""} if m.get("role") == "tool" else m for m in body["messages"]
+    ]
+    if "tool_choice" not in body:
+        seen.pop("tools", None)
+    return seen
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    # The default backlog of 5 reset connections of bursts of concurrent clients.
+    request_queue_size = 256
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out and left is what some tests do: no traceback for it."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class ChatServer:
@@ -56,13 +121,27 @@ class ChatServer:
                 if self.path != "/v1/chat/completions":
                     return self._send(404, b'{"error": "not found"}')
                 if failure is not None:
-                    return self._send(failure, b'{"error": "injected"}')
+                    return self._send(failure, behaviour.failure_body.encode())
                 if malformed:
                     return self._send(200, b'{"choices": [')
-                message = {"role": "assistant", **behaviour.reply(body)}
+                if behaviour.llama_cpp and any(
+                    m.get("content") is None for m in body.get("messages", [])
+                ):
+                    return self._send(500, json.dumps(NULL_CONTENT_ERROR).encode())
+                tokens = prompt_tokens(body)
+                if behaviour.context_limit is not None and tokens > behaviour.context_limit:
+                    status, error = CONTEXT_ERRORS[behaviour.context_style]
+                    return self._send(status, json.dumps(error).encode())
+                seen = _as_seen(body, behaviour.llama_cpp)
+                with server._lock:
+                    behaviour.seen.append(seen["messages"])
+                message = {"role": "assistant", **behaviour.reply(seen)}
+                if "tools" not in seen:  # a model that was shown no tools calls none
+                    message.pop("tool_calls", None)
+                finish = "tool_calls" if message.get("tool_calls") else "stop"
                 payload = {
-                    "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 11, "completion_tokens": 7},
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": {"prompt_tokens": tokens, "completion_tokens": 7},
                 }
                 self._send(200, json.dumps(payload).encode())
 
@@ -73,12 +152,7 @@ class ChatServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        class Server(ThreadingHTTPServer):
-            # The default backlog of 5 reset connections of bursts of concurrent clients.
-            request_queue_size = 256
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -89,4 +163,3 @@ class ChatServer:
     def __exit__(self, *exc: object) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-

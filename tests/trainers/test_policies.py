@@ -1,16 +1,21 @@
-"""The sampler policies ``agent-gym eval`` runs: token-continuous prompts, as in training."""
+"""The sampler policies ``agent-gym eval`` runs (trainers.policies): token-continuous prompts,
+as in training; context limits; seeds."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agent_gym.policies import PolicyInput
+from agent_gym.eval import EvalConfig, evaluate
+from agent_gym.policies import PolicyInput, make_policy
 from trainers.backends import make_service
 from trainers.policies import SamplerPolicy
 
+GSM8K = "agent_gym/GSM8K-v0"
 OPENING = [
     {"role": "system", "content": "Answer briefly."},
     {"role": "user", "content": "Name a colour."},
@@ -75,3 +80,23 @@ def test_turn_prompts_extend_the_previous_prompt_and_reply(sampler: Any) -> None
         messages.append({"role": "assistant", "content": reply})
         if turn < len(FOLLOW_UPS):
             messages.append({"role": "user", "content": FOLLOW_UPS[turn]})
+
+
+def test_a_prompt_past_the_models_context_ends_the_episode(tmp_path: Path) -> None:
+    policy = make_policy("local:tiny", max_tokens=8)
+    assert policy.context_length == policy.client.context_length  # the model's positions
+    config = EvalConfig(GSM8K, "local:tiny", episodes=1, max_tokens=8)
+    asyncio.run(evaluate(config, policy, tmp_path / "fits", progress=False))
+    first = json.loads((tmp_path / "fits" / "episodes.jsonl").read_text().splitlines()[0])
+    # A context one token longer than the opening prompt leaves room for one token: the
+    # reply is cut. One token shorter: the episode ends context_length, scored, no error.
+    policy.context_length = first["prompt_tokens"] + 1
+    summary = asyncio.run(evaluate(config, policy, tmp_path / "cut", progress=False))
+    assert summary.end_reasons == {"max_tokens": 1} and summary.mean_tokens == 1
+    assert summary.finish_reasons == {"length": 1}
+    policy.context_length = first["prompt_tokens"]
+    summary = asyncio.run(evaluate(config, policy, tmp_path / "over", progress=False))
+    assert summary.errors == 0 and summary.end_reasons == {"context_length": 1}
+    record = json.loads((tmp_path / "over" / "episodes.jsonl").read_text().splitlines()[0])
+    assert record["turns"] == 0 and record["reward"] == 0.0
+    assert "context is" in record["context_error"]

@@ -11,7 +11,7 @@ import gymnasium
 import pytest
 from pytrio import ModelInput
 
-from agent_gym.render import ChatRenderer
+from agent_gym.render import ChatRenderer, window_messages
 from agent_gym.state import StateMismatchError
 from tests.helpers import grpo_toy, tempo_toy
 from trainers.backends.local import LocalServiceClient
@@ -114,3 +114,32 @@ def test_restored_branches_continue_the_saved_tokens_and_are_checked(value_sampl
     with pytest.raises(StateMismatchError):
         asyncio.run(rollout_group(make_env, dataclasses.replace(point, state=wrong), sampler,
                                   renderer, config))
+
+
+def test_history_window_cuts_restart_the_prompt_as_eval_cuts_it(digit_sampler: Any) -> None:
+    """Past the window every turn restarts the token-continuous prompt from exactly the chat
+    eval would show (agent_gym.render.window_messages); each piece trains as a Datum."""
+    renderer = ChatRenderer(digit_sampler.get_tokenizer())
+    config = RolloutConfig(group_size=8, max_turns=5, max_tokens=16,
+                           max_trajectory_tokens=512, history_window=1)
+    episodes = asyncio.run(rollout_group(
+        lambda: gymnasium.make(grpo_toy.ENV_ID, max_turns=5), {"index": 3}, digit_sampler,
+        renderer, config, seed=1))
+    long = [e for e in episodes if e.turns >= 3]
+    assert long, "some branches must play past the window"
+    for episode in episodes:
+        opening = episode.messages[: episode.opening_messages]
+        assert len(episode.earlier) == max(0, episode.turns - 2)
+        assert sum(len(s.spans) for s in episode.sequences) == episode.turns
+        # The transcript is whole: every reply and answer, cut or not.
+        assert sum(m["role"] == "assistant" for m in episode.messages) == episode.turns
+        for piece, sequence in enumerate(episode.sequences[1:], start=1):
+            turn = piece + 1  # the turn (0-based) whose prompt this piece opened with
+            shown = window_messages(episode.messages[: episode.opening_messages + 2 * turn],
+                                    episode.opening_messages, 1)
+            assert shown[: len(opening)] == opening and len(shown) == len(opening) + 2
+            assert list(sequence.tokens[: sequence.spans[0].start]) == renderer.prompt(shown)
+        for sequence in episode.sequences:
+            build_datum(sequence, 1.0)
+    with pytest.raises(ValueError, match="keep_states"):
+        RolloutConfig(history_window=2, keep_states=True)
