@@ -372,6 +372,15 @@ class TextEnv(gymnasium.Env[str, str]):
         return len(self.tasks)
 
     @property
+    def steps_in_process(self) -> bool:
+        """True when no step ever waits on anything outside this process (a subprocess, the
+        network, a file it writes): a step is computation, so a server may run a short one
+        on its event loop rather than pay two thread hand-offs (``agent_gym.server``).
+        False unless an env knows better: a sandbox, a remote backend or a verifier helper
+        process can make any step wait for seconds."""
+        return False
+
+    @property
     def task(self) -> Task:
         if self._task is None:
             raise RuntimeError("call reset() before using the environment")

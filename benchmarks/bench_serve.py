@@ -9,7 +9,9 @@ answers come: the throughput, and at 64 sessions mostly queueing) and paced (the
 together offer a fixed rate, as trainers whose model thinks between steps do: the latency a
 step through the server adds). Then the number of sessions
 the server holds (default limit) before it refuses one. The server and the clients share
-this machine's cores, so the figures include the client's own cost.
+this machine's cores, so the figures include the client's own cost. To show where a served
+step's time goes, each run also gives the CPU time per step of this (client) process and,
+for served runs, of the server process ("client_cpu_ms", "server_cpu_ms"; Linux /proc).
 
     .venv/bin/python benchmarks/bench_serve.py [--steps 960] [--rate 400]
 """
@@ -49,13 +51,25 @@ ACTIONS = {
 }
 
 
-def summary(latencies: list[float], elapsed: float) -> dict[str, float]:
+def summary(latencies: list[float], elapsed: float, client_cpu_s: float) -> dict[str, float]:
     ordered = sorted(latencies)
     return {
         "steps_per_s": round(len(ordered) / elapsed, 1),
         "p50_ms": round(1000 * statistics.median(ordered), 3),
         "p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+        "client_cpu_ms": round(1000 * client_cpu_s / len(ordered), 3),
     }
+
+
+def server_cpu_s() -> float:
+    """CPU seconds (user + system, every thread) used so far by this process's children:
+    the one server running at a time."""
+    total = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 async def in_process(env_id: str, sessions: int, steps: int, pace_s: float = 0.0
@@ -74,12 +88,12 @@ async def in_process(env_id: str, sessions: int, steps: int, pace_s: float = 0.0
             await asyncio.to_thread(env.step, ACTIONS[env_id])
             latencies.append(time.perf_counter() - started)
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(drive(env) for env in envs))
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     for env in envs:
         env.close()
-    return summary(latencies, elapsed)
+    return summary(latencies, elapsed, cpu)
 
 
 async def served(url: str, env_id: str, sessions: int, steps: int, pace_s: float = 0.0
@@ -105,12 +119,14 @@ async def served(url: str, env_id: str, sessions: int, steps: int, pace_s: float
             latencies.append(time.perf_counter() - started)
             assert reply.startswith('{"type": "observation"')
 
-    started = time.perf_counter()
+    started, cpu, on_server = time.perf_counter(), time.process_time(), server_cpu_s()
     await asyncio.gather(*(drive(ws) for ws in sockets))
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
+    on_server = server_cpu_s() - on_server
     for ws in sockets:
         await ws.close()
-    return summary(latencies, elapsed)
+    return {**summary(latencies, elapsed, cpu),
+            "server_cpu_ms": round(1000 * on_server / len(latencies), 3)}
 
 
 async def capacity(url: str) -> int:

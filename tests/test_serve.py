@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from typing import Any
 
 import httpx
@@ -288,3 +290,49 @@ def test_binds_loopback_unless_told(gsm8k: str) -> None:
             if state == "0A" and int(local.split(":")[1], 16) == port:
                 listening.append(local.split(":")[0])
     assert listening == ["0100007F"]  # 127.0.0.1, not 0.0.0.0
+
+
+def test_short_in_process_steps_run_on_the_event_loop_and_others_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Search-v0 (a local index) steps on the loop once its steps have proved short; GSM8K-v0
+    (its grader waits on a helper process) and a slow step always go to the thread pool."""
+    from agent_gym import server
+    from agent_gym.server import INLINE_AFTER, ServerConfig, SessionPool
+
+    # A budget no real step here comes near on a loaded machine, and one step made slower.
+    monkeypatch.setattr(server, "INLINE_STEP_BUDGET_S", 0.5)
+
+    search = ('<tool_call>\n{"name": "search", "arguments": {"query": "when was the town '
+              'founded"}}\n</tool_call>')
+
+    async def threads_of(env_id: str, actions: list[str], slow_at: int | None = None
+                         ) -> list[str]:
+        pool = SessionPool(ServerConfig(env_id, {"max_turns": 100}))
+        try:
+            session = await pool.open()
+            await pool.reset(session, {"index": 0})
+            base = session.env.unwrapped
+            step, where = base.step, []
+
+            def recording_step(text: str) -> Any:
+                where.append(threading.current_thread().name)
+                if len(where) == slow_at:
+                    time.sleep(0.6)  # over the budget: the next steps go to the pool again
+                return step(text)
+
+            base.step = recording_step  # type: ignore[method-assign]
+            for action in actions:
+                await pool.step(session, {"text": action})
+            return where
+        finally:
+            await pool.shutdown()
+
+    loop = threading.current_thread().name
+    where = asyncio.run(threads_of("agent_gym/Search-v0", [search] * 10, slow_at=6))
+    assert all(name != loop for name in where[:INLINE_AFTER]), where
+    assert where[INLINE_AFTER:6] == [loop] * (6 - INLINE_AFTER), where
+    assert all(name != loop for name in where[6:6 + INLINE_AFTER]), where
+    assert where[6 + INLINE_AFTER:] == [loop], where
+    where = asyncio.run(threads_of("agent_gym/GSM8K-v0", ["thinking"] * 8))
+    assert loop not in where, where
