@@ -302,6 +302,7 @@ def count_engine_steps(made: ALFWorldEnv, monkeypatch: pytest.MonkeyPatch) -> li
 
 def test_restore_in_the_same_env_jumps_to_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
     made = make()
+    made._store = None  # this instance's snapshots alone (the host store is tested below)
     states = played(made)
     steps = count_engine_steps(made, monkeypatch)
     for state in reversed(states):
@@ -332,8 +333,15 @@ def test_snapshots_of_an_unloaded_game_are_not_used() -> None:
     state = whole.save_state()
     whole.reset(options={"index": 1})  # loads another game: the engine forgets the first
     info = whole.reset(options={"state": state})[1]
+    # This instance's snapshot died with the game; the host's record of the prefix did not.
+    assert (info["snapshot_depth"], info["snapshot_source"]) == (1, "store")
+    assert whole.save_state() == state
+    whole._store = None
+    whole.reset(options={"index": 1})
+    info = whole.reset(options={"state": state})[1]
     assert info["snapshot_depth"] == 0 and whole.save_state() == state
-    assert whole.reset(options={"state": state})[1]["snapshot_depth"] == 1  # cached again
+    info = whole.reset(options={"state": state})[1]  # cached again
+    assert (info["snapshot_depth"], info["snapshot_source"]) == (1, "instance")
     whole.close()
 
 
