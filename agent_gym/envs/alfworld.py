@@ -86,7 +86,10 @@ class ALFWorldEnv(OutcomeEnv):
     each, no text written) and taking the observations on the way from the host's own
     record, checked against the state's digests just the same; anything else replays.
     Games are translated once per process (once per host with ``restore_store``), so a
-    fresh instance loads in milliseconds instead of seconds. ``data_path``,
+    fresh instance loads in milliseconds instead of seconds. That is also what lets many
+    episodes run per process without lockstep stalls: an ``AsyncVectorEnv`` with
+    next-step autoreset (``vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP}``)
+    resets a finished sub-env inside its next step, now in milliseconds. ``data_path``,
     ``plan_timeout`` and ``restore_store`` are host settings, never taken from a saved
     state.
 
