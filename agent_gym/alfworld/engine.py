@@ -175,21 +175,25 @@ class _PddlEnv(PddlEnv):
         return _kept(_LOGICS, digest, pddl_logic.GameLogic(domain=domain, grammar=grammar))
 
     def _translate(self, data: Mapping[str, Any]) -> _Translation:
+        stored = self._store.get("sas:" + self.key)
         if self.key in _TRANSLATIONS:
             _TRANSLATIONS.move_to_end(self.key)
-            return _TRANSLATIONS[self.key]
-        domain, problem = data["pddl_domain"], data["pddl_problem"]
-        stored = self._store.get("sas:" + self.key)
-        if stored is not None:
-            texts = json.loads(zlib.decompress(stored))
-            translation = _Translation(_parse(domain, problem), texts["sas"], texts["sas_replan"])
+            translation = _TRANSLATIONS[self.key]
         else:
-            task, sas = fast_downward.pddl2sas(domain, problem)
-            _, sas_replan = fast_downward.pddl2sas(domain, problem, optimize=True)
-            translation = _Translation(task, sas, sas_replan)
-            texts = {"sas": sas, "sas_replan": sas_replan}
+            domain, problem = data["pddl_domain"], data["pddl_problem"]
+            if stored is not None:
+                texts = json.loads(zlib.decompress(stored))
+                translation = _Translation(_parse(domain, problem), texts["sas"],
+                                           texts["sas_replan"])
+            else:
+                task, sas = fast_downward.pddl2sas(domain, problem)
+                _, sas_replan = fast_downward.pddl2sas(domain, problem, optimize=True)
+                translation = _Translation(task, sas, sas_replan)
+            _kept(_TRANSLATIONS, self.key, translation)
+        if stored is None:  # this store (its file) may be new to a game the process knows
+            texts = {"sas": translation.sas, "sas_replan": translation.sas_replan}
             self._store.put("sas:" + self.key, zlib.compress(json.dumps(texts).encode(), 1))
-        return _kept(_TRANSLATIONS, self.key, translation)
+        return translation
 
     def _start_state(self) -> Any:
         """textworld's ``PddlState`` at the game's start, as ``PddlState.__init__`` builds
