@@ -8,7 +8,9 @@ checking each observation. It also owns the rules every env shares, so envs cann
 apart on them: an invalid step earns ``-invalid_penalty``; running out of turns truncates the
 episode (never terminates it), and an env with right/wrong outcomes (``OutcomeEnv``) scores
 that as ``reward_incorrect``; an env whose engine can snapshot itself cheaply restores from a
-bounded cache of snapshots instead of replaying, still checking every observation. Every
+bounded cache of snapshots instead of replaying, still checking every observation, and an
+env that can also redo its engine's moves elsewhere restores in a fresh instance or process
+from the host's record of the prefixes it played (``_move``/``_redo``, see ``TextEnv``). Every
 observation a step returns -- tool output, answers, refusals -- is sanitised of chat-template
 control tokens and capped at ``max_obs_chars`` here, so no env can forget to.
 
@@ -32,11 +34,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import inspect
 import json
 import multiprocessing
 import os
 import string
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -47,6 +51,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import shared_memory
 
+from agent_gym.hoststore import HostStore, code_fingerprint
 from agent_gym.state import (
     MAX_FAULT_CHARS,
     EnvState,
@@ -197,6 +202,12 @@ class _Prefix:
     transitions: tuple[Transition, ...]
 
 
+def _chain(previous: str, action: str, fault: str | None) -> str:
+    """The key of a prefix one action longer than the one keyed ``previous``."""
+    link = json.dumps([previous, action, fault], ensure_ascii=False)
+    return hashlib.sha256(link.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 class TextEnv(gymnasium.Env[str, str]):
     """A text environment for LLM agents with replayable, verifiable save/restore.
 
@@ -214,6 +225,22 @@ class TextEnv(gymnasium.Env[str, str]):
     through the same bookkeeping and digest check as replayed ones, so a state whose
     observations differ still fails at the step that differs. The restore's info says how
     many steps a snapshot skipped (``snapshot_depth``) out of ``restored_depth``.
+
+    Restore in a fresh instance or process: an env that can also describe what each step
+    did to its engine in a form any instance can redo (``_move``, JSON) and redo such moves
+    from a task's start (``_redo``), and that names the content of its tasks
+    (``_fingerprint``), gets a record in its host store (``self._store``, a
+    ``HostStore``): for every prefix it plays, keyed by a digest chained over the env, its
+    episode settings, the task's content, this code (``code_fingerprint``) and each action
+    with its fault, the transition ``_step`` returned and the move. A restore redoes the
+    moves of the longest recorded prefix of the state's actions (milliseconds, no text is
+    generated) and takes those steps' transitions from the record, again through the same
+    bookkeeping and digest check as replayed ones: the state only selects records, which
+    the host alone writes from what it computed, so it can never make the env believe an
+    observation it did not produce. Should a record ever disagree with a state's digest
+    the restore is done again by real replay, which decides: a tampered state still fails
+    at the step that differs, and a stale record is overwritten. ``info["snapshot_source"]``
+    says where the skipped steps came from ("instance", "store" or None).
 
     ``host_settings`` names the constructor arguments that decide what the host does rather
     than what the episode is -- sandbox isolation and resource limits, network endpoints,
@@ -303,6 +330,8 @@ class TextEnv(gymnasium.Env[str, str]):
         self._recorded: dict[int, str] = {}  # failures a restore has yet to reproduce
         self._outside_step = 0  # the last step that called a backend
         self._prefix_cache: OrderedDict[_PrefixKey, _Prefix] = OrderedDict()
+        self._store: HostStore | None = None  # set by envs that implement _move and _redo
+        self._chain: list[str] = []  # the store keys of this episode's prefixes
 
     # ----------------------------------------------------------------- subclass hooks
     def _start(self, task: Task) -> Opening:
@@ -335,6 +364,24 @@ class TextEnv(gymnasium.Env[str, str]):
         """Put the engine where ``_snapshot`` returned ``snapshot``; called right after
         ``_start`` of the same task. Return False when the snapshot can no longer be used
         (say, the engine has loaded another game since), and the base replays instead."""
+        return False
+
+    def _fingerprint(self, task: Task) -> str | None:
+        """A digest of what this task's episodes are played on beyond its id (its data), so
+        records of one host store never mix tasks that share an id; called right after
+        ``_start``. None (the default) keeps this env's prefixes out of the store."""
+        return None
+
+    def _move(self) -> Any:
+        """What the last ``_step`` did to the engine, as a JSON value ``_redo`` can redo in
+        any instance of this env on this host, or None when it cannot be redone (then no
+        record of this prefix is kept). Called after every step: keep it cheap."""
+        return None
+
+    def _redo(self, moves: Sequence[Any]) -> bool:
+        """Put the engine where ``moves`` (``_move``'s values, in step order) lead from the
+        task's start; called right after ``_start``. Return False when that cannot be
+        done, with the engine back at the start, and the base replays instead."""
         return False
 
     def _outside(
@@ -444,6 +491,8 @@ class TextEnv(gymnasium.Env[str, str]):
         observation = sanitize_tool_output(result.observation, self.max_obs_chars)
         reward = float(result.reward) - (self.invalid_penalty if result.invalid else 0.0)
         self._actions.append(action)
+        if self._chain:
+            self._chain.append(_chain(self._chain[-1], action, self._faults.get(self.turn)))
         self._digests.append(digest(observation))
         self._transcript.append(observation)
         self._done = result.terminated or truncated
@@ -456,7 +505,10 @@ class TextEnv(gymnasium.Env[str, str]):
         return observation, reward, result.terminated and not truncated, truncated, info
 
     def _remember(self) -> None:
-        """Cache the engine's snapshot after the current action prefix, if it takes any."""
+        """Cache the engine's snapshot after the current action prefix, if it takes any,
+        and record the step in the host store, if the env has one."""
+        if self._store is not None and self._chain:
+            self._record(self._chain[-1], self._path[-1])
         snapshot = self._snapshot()
         if snapshot is None or self.snapshot_cache_size < 1:
             return
@@ -466,26 +518,68 @@ class TextEnv(gymnasium.Env[str, str]):
         while len(self._prefix_cache) > self.snapshot_cache_size:
             self._prefix_cache.popitem(last=False)
 
-    def _jump(self, state: EnvState) -> tuple[Transition, ...]:
-        """Restore the snapshot after the longest cached prefix of the state's actions and
-        return the transitions on the way there; () when there is none to use."""
-        if not self._prefix_cache:
-            return ()
+    def _record(self, key: str, transition: Transition) -> None:
+        move = self._move()
+        if move is None or self._store is None:
+            return
+        try:
+            text = json.dumps({"transition": _transition_json(transition), "move": move},
+                              ensure_ascii=False)
+        except (TypeError, ValueError):  # an info that is not JSON: this step is not kept
+            return
+        self._store.put(key, zlib.compress(text.encode("utf-8", "surrogatepass"), 1))
+
+    def _jump(self, state: EnvState, use_store: bool) -> tuple[tuple[Transition, ...], str | None]:
+        """Put the engine after the longest known prefix of the state's actions -- a
+        snapshot of this instance, or the moves the host store recorded when it knows a
+        deeper one -- and return the transitions on the way there with where they came
+        from; ((), None) when neither knows any."""
+        recorded = self._recorded_prefix(state) if use_store else []
         for depth in range(len(state.actions), 0, -1):
             faults = tuple(fault for fault in state.faults if fault[0] <= depth)
+            # At equal depth a snapshot of this instance wins: it restores everything the
+            # engine had built there, where redone moves leave it to be built again.
             key = (state.task_id, state.actions[:depth], faults)
             prefix = self._prefix_cache.get(key)
-            if prefix is None:
-                continue
-            if not self._restore_snapshot(prefix.snapshot):
+            if prefix is not None:
+                if self._restore_snapshot(prefix.snapshot):
+                    self._prefix_cache.move_to_end(key)
+                    self._reproduce(faults)
+                    return prefix.transitions, "instance"
                 del self._prefix_cache[key]  # stale: a shallower one may still be good
-                continue
-            self._prefix_cache.move_to_end(key)
-            for step, message in faults:  # the cached transitions reproduce these failures
-                self._faults[step] = message
-                del self._recorded[step]
-            return prefix.transitions
-        return ()
+            if depth <= len(recorded):
+                if self._redo([move for _, move in recorded[:depth]]):
+                    self._reproduce(faults)
+                    return tuple(transition for transition, _ in recorded[:depth]), "store"
+                recorded = []  # the engine cannot redo them: only snapshots are left
+        return (), None
+
+    def _reproduce(self, faults: tuple[tuple[int, str], ...]) -> None:
+        """The skipped steps' transitions reproduce these recorded failures."""
+        for step, message in faults:
+            self._faults[step] = message
+            del self._recorded[step]
+
+    def _recorded_prefix(self, state: EnvState) -> list[tuple[Transition, Any]]:
+        """The transitions and moves the host store holds for the state's first steps,
+        as far as it holds every one of them."""
+        if self._store is None or not self._chain or not state.actions:
+            return []
+        faults = dict(state.faults)
+        keys = [self._chain[0]]
+        for step, action in enumerate(state.actions, start=1):
+            keys.append(_chain(keys[-1], action, faults.get(step)))
+        found = self._store.get_many(keys[1:])
+        recorded = []
+        for key in keys[1:]:
+            if key not in found:
+                break
+            try:
+                entry = json.loads(zlib.decompress(found[key]).decode("utf-8", "surrogatepass"))
+                recorded.append((_transition_from_json(entry["transition"]), entry["move"]))
+            except (ValueError, KeyError, TypeError, zlib.error):  # damaged: stop there
+                break
+        return recorded
 
     def render(self) -> str | None:
         if self.render_mode != "ansi":
@@ -546,20 +640,36 @@ class TextEnv(gymnasium.Env[str, str]):
         self._rng = state.rng or encode_rng(self.np_random)
         self._recorded = dict(state.faults)
         try:
-            return self._replay(state)
+            try:
+                return self._replay(state, use_store=True)
+            except _StoreDisagrees:
+                # Real replay decides whether the record or the state is wrong.
+                self._recorded = dict(state.faults)
+                return self._replay(state, use_store=False)
         except BaseException:
             self._task = None  # a half-replayed episode must not be stepped on: reset first
             raise
 
-    def _replay(self, state: EnvState) -> tuple[str, dict[str, Any]]:
+    def _replay(self, state: EnvState, use_store: bool) -> tuple[str, dict[str, Any]]:
         opening = self._begin(self.tasks[self._task_index[state.task_id]])
         self._check(0, state.digests[0], opening.observation)
+        ahead, source = self._jump(state, use_store)
+        try:
+            return self._replay_steps(state, opening, ahead, source)
+        except StateMismatchError as err:
+            if source == "store" and err.step <= len(ahead):
+                raise _StoreDisagrees from err
+            raise
+
+    def _replay_steps(
+        self, state: EnvState, opening: Opening, ahead: tuple[Transition, ...],
+        source: str | None,
+    ) -> tuple[str, dict[str, Any]]:
         observation = opening.observation
         info: dict[str, Any] = {}
         history: list[dict[str, Any]] = []
         rewards: list[float] = []
         terminated = truncated = False
-        ahead = self._jump(state)
         for step_index, action in enumerate(state.actions, start=1):
             if self._done:
                 raise StateMismatchError(
@@ -593,6 +703,7 @@ class TextEnv(gymnasium.Env[str, str]):
         restored["episode_end"] = (
             "terminated" if terminated else "truncated" if truncated else None
         )
+        restored["snapshot_source"] = source
         return observation, restored
 
     @staticmethod
@@ -632,9 +743,22 @@ class TextEnv(gymnasium.Env[str, str]):
         self._outside_step = 0
         self._done = False
         opening = self._start(task)
+        self._chain = self._chain_root(task)
         self._digests = [digest(opening.observation)]
         self._transcript = [opening.observation]
         return opening
+
+    def _chain_root(self, task: Task) -> list[str]:
+        """[the store key of the task's start], or [] when no record is kept."""
+        if self._store is None:
+            return []
+        fingerprint = self._fingerprint(task)
+        if fingerprint is None:
+            return []
+        settings = self.episode_settings(_json_kwargs(self.env_id, self._env_kwargs))
+        root = json.dumps(["agent_gym prefix", code_fingerprint(), self.env_id, settings,
+                           task.task_id, fingerprint], sort_keys=True, ensure_ascii=False)
+        return [hashlib.sha256(root.encode("utf-8", "surrogatepass")).hexdigest()]
 
     def _opening_info(self, opening: Opening) -> dict[str, Any]:
         return {
@@ -686,6 +810,22 @@ class OutcomeEnv(TextEnv):
         return replace(
             last, reward=last.reward + self.reward_incorrect, info={**last.info, "no_answer": True}
         )
+
+
+class _StoreDisagrees(Exception):
+    """A transition from the host store did not match the state being restored."""
+
+
+def _transition_json(transition: Transition) -> dict[str, Any]:
+    return {"observation": transition.observation, "reward": float(transition.reward),
+            "terminated": transition.terminated, "invalid": transition.invalid,
+            "role": transition.role, "info": transition.info}
+
+
+def _transition_from_json(data: Mapping[str, Any]) -> Transition:
+    return Transition(str(data["observation"]), float(data["reward"]),
+                      bool(data["terminated"]), bool(data["invalid"]), str(data["role"]),
+                      dict(data["info"]))
 
 
 def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> tuple[int, int]:

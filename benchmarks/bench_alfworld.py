@@ -6,8 +6,14 @@
 - step: the same commands through raw textworld and through ALFWorld-v0 (tool-call parsing,
   admissibility check, the snapshot it records for fast restores);
 - restore at depths 10/20/40: the fast path (snapshots this env took) vs the base class's
-  full replay in the same env (game loaded, snapshots dropped) and in a fresh env (load +
-  replay), all checked to give the same observation;
+  full replay in the same env (game loaded, snapshots and host store off); a fresh
+  instance in this process (host store: the planner's moves redone); and in a **fresh
+  process** (``python`` started anew, env made, then the timed restore) with the host store
+  file vs without it (the full replay: translate + load + every step), every one checked
+  to give the same observation (the digest check is always on);
+- episodes: oracle episodes on random bundled games (every game's translation already
+  in the host store file) through one env in one process vs an ``AsyncVectorEnv(2)``
+  with next-step autoreset, in episodes per second;
 - generate: seconds per verified game, one per task type.
 
     python benchmarks/bench_alfworld.py [--out benchmarks/results/alfworld.json]
@@ -21,6 +27,8 @@ import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +38,7 @@ from typing import Any
 import gymnasium
 import textworld
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+from gymnasium.vector import AutoresetMode
 
 import agent_gym  # noqa: F401  (registers the envs)
 from agent_gym.alfworld.engine import Engine
@@ -39,6 +48,12 @@ from agent_gym.envs.alfworld import ALFWorldEnv
 
 ENV = "agent_gym/ALFWorld-v0"
 DEPTHS = (10, 20, 40)
+EPISODE_TASK_TYPES = [2, 3]  # the episodes' games (20 bundled train games)
+EPISODES = 16
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def timed(action: Callable[[], Any]) -> float:
@@ -81,18 +96,95 @@ def raw_textworld(game_file: Path, commands: list[str]) -> dict[str, Any]:
     return {"load_and_reset_ms": round(load * 1000, 1), "reset": resets, "step": steps}
 
 
+def restore_in_child(state_file: str, store: str) -> None:
+    """The fresh-process restore: this process has imported agent_gym and made the env;
+    prints how long the restore took and the observation it gave."""
+    state = Path(state_file).read_text()
+    env: ALFWorldEnv = gymnasium.make(ENV, split="train", task_types=[4],
+                                      restore_store=store or None).unwrapped
+    start = time.perf_counter()
+    observation, info = env.reset(options={"state": state})
+    seconds = time.perf_counter() - start
+    env.close()
+    print(json.dumps({"seconds": seconds, "observation": observation,
+                      "source": info["snapshot_source"], "skipped": info["snapshot_depth"]}))
+
+
+def fresh_process_restore(state_json: str, store: Path | None, expected: str) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        handle.write(state_json)
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--child-restore", handle.name, str(store or "")],
+            capture_output=True, text=True, check=True, timeout=600)
+    finally:
+        os.unlink(handle.name)
+    answer = json.loads(done.stdout.splitlines()[-1])
+    assert answer["observation"] == expected, "the fresh process restored somewhere else"
+    assert (answer["source"] == "store") == (store is not None), answer
+    return float(answer["seconds"])
+
+
+def oracle_episodes_one_process(store: Path, episodes: int) -> float:
+    """Episodes per second of one env in this process, playing each game's walkthrough."""
+    env = gymnasium.make(ENV, split="train", task_types=EPISODE_TASK_TYPES,
+                         restore_store=str(store))
+    start = time.perf_counter()
+    _, info = env.reset(seed=1)
+    for _ in range(episodes):
+        for action in info["privileged"]["oracle_actions"]:
+            _, _, terminated, _, _ = env.step(action)
+        assert terminated
+        _, info = env.reset()
+    seconds = time.perf_counter() - start
+    env.close()
+    return episodes / seconds
+
+
+def oracle_episodes_async_vector(store: Path, episodes: int, num_envs: int = 2) -> float:
+    """Episodes per second of an AsyncVectorEnv whose sub-envs reset themselves on the
+    step after an episode ends (next-step autoreset): no batch ever waits for a reset
+    outside a step, and with games translated once per host a reset costs milliseconds."""
+    vec = gymnasium.make_vec(ENV, num_envs=num_envs, vectorization_mode="async",
+                             vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP},
+                             split="train", task_types=EPISODE_TASK_TYPES,
+                             restore_store=str(store))
+    start = time.perf_counter()
+    _, infos = vec.reset(seed=[1 + i for i in range(num_envs)])
+    plans = [list(infos["privileged"]["oracle_actions"][i]) for i in range(num_envs)]
+    finished = 0
+    while finished < episodes:
+        actions = [plan.pop(0) if plan else "" for plan in plans]
+        _, _, terminated, truncated, infos = vec.step(actions)
+        for i in range(num_envs):
+            if infos.get("_privileged", [False] * num_envs)[i]:  # reset on this step
+                plans[i] = list(infos["privileged"]["oracle_actions"][i])
+            elif terminated[i] or truncated[i]:
+                finished += 1
+    seconds = time.perf_counter() - start
+    vec.close()
+    return finished / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/alfworld.json"))
+    parser.add_argument("--child-restore", nargs=2, metavar=("STATE_FILE", "STORE"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child_restore:
+        restore_in_child(*args.child_restore)
+        return
+    scratch = tempfile.TemporaryDirectory()
+    store = Path(scratch.name) / "store.sqlite"
     results: dict[str, Any] = {
         "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_average_at_start": round(os.getloadavg()[0], 2),
+        "load_average_at_start": round(os.getloadavg()[0], 2), "uptime_at_start": uptime(),
     }
     refs = find_games(bundled_root() / "train", ("pick_heat_then_place_in_recep",))
     kitchen, other = sorted(refs, key=lambda r: r.path.stat().st_size)[-1:-3:-1]
     env: ALFWorldEnv = gymnasium.make(ENV, split="train", task_types=[4],
-                                      render_mode="ansi").unwrapped
+                                      render_mode="ansi", restore_store=str(store)).unwrapped
     _, info = env.reset(options={"task_id": kitchen.task_id})
     walkthrough = info["privileged"]["walkthrough"]
     results["game"] = {"task_id": kitchen.task_id, "admissible_at_start":
@@ -137,25 +229,52 @@ def main() -> None:
     for depth, state in states.items():
         expected = env.reset(options={"state": state})[0]
         fast = [timed(lambda s=state: env.reset(options={"state": s})) for _ in range(5)]
-        warm, cold = [], []
+        warm, instance, child_store, child_replay = [], [], [], []
         for _ in range(2):
-            env._prefix_cache.clear()  # drop the snapshots: the base class replays every action
+            env._prefix_cache.clear()  # drop the snapshots and the store: replay every action
+            env._store, kept = None, env._store
             warm.append(timed(lambda s=state: env.reset(options={"state": s})))
+            env._store = kept
             assert env.render().endswith(expected)
-            fresh = gymnasium.make(ENV, split="train", task_types=[4],
-                                   render_mode="ansi").unwrapped
-            cold.append(timed(lambda s=state, f=fresh: f.reset(options={"state": s})))
-            assert fresh.render().endswith(expected)
+            fresh = gymnasium.make(ENV, split="train", task_types=[4], render_mode="ansi",
+                                   restore_store=str(store)).unwrapped
+            start = time.perf_counter()
+            source = fresh.reset(options={"state": state})[1]["snapshot_source"]
+            instance.append(time.perf_counter() - start)
+            assert source == "store" and fresh.render().endswith(expected)
             fresh.close()
+            child_store.append(fresh_process_restore(state.to_json(), store, expected))
+            child_replay.append(fresh_process_restore(state.to_json(), None, expected))
+        replay = statistics.median(child_replay)
         results["restore"][str(depth)] = {
             "fast_ms": median_ms(fast), "replay_same_env_ms": median_ms(warm),
-            "replay_fresh_env_ms": median_ms(cold),
+            "fresh_instance_store_ms": median_ms(instance),
+            "fresh_process_store_ms": median_ms(child_store),
+            "fresh_process_full_replay_ms": median_ms(child_replay),
+            "fresh_process_store_vs_full_replay": round(statistics.median(child_store) /
+                                                        replay, 4),
+            "samples_s": {"fresh_instance_store": [round(x, 4) for x in instance],
+                          "fresh_process_store": [round(x, 4) for x in child_store],
+                          "fresh_process_full_replay": [round(x, 3) for x in child_replay]},
             "speedup_vs_same_env_replay": round(statistics.median(warm) /
                                                 statistics.median(fast), 1),
-            "speedup_vs_fresh_env_replay": round(statistics.median(cold) /
-                                                 statistics.median(fast), 1),
         }
     env.close()
+
+    # episodes: translate every game of the set into the store first, as a host that has
+    # seen them once would have; both paths then run on the same warm host
+    warmup = gymnasium.make(ENV, split="train", task_types=EPISODE_TASK_TYPES,
+                            restore_store=str(store)).unwrapped
+    for index in range(warmup.num_tasks):
+        warmup.reset(options={"index": index})
+    games = warmup.num_tasks
+    warmup.close()
+    one = oracle_episodes_one_process(store, EPISODES)
+    vector = oracle_episodes_async_vector(store, EPISODES)
+    results["episodes"] = {"games": games, "episodes": EPISODES,
+                           "one_process_per_s": round(one, 3),
+                           "async_vector_2_next_step_per_s": round(vector, 3),
+                           "async_vector_vs_one_process": round(vector / one, 2)}
 
     engine = Engine()
     seconds = [timed(lambda t=t: generate_game(t, "train", 7, 1000, engine)) for t in TASK_TYPES]
@@ -163,6 +282,8 @@ def main() -> None:
     results["generate"] = {"s_per_game_mean": round(statistics.fmean(seconds), 2),
                            "s_per_game_max": round(max(seconds), 2)}
     results["load_average_at_end"] = round(os.getloadavg()[0], 2)
+    results["uptime_at_end"] = uptime()
+    scratch.cleanup()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     _print_table(results)
@@ -185,7 +306,14 @@ def _print_table(r: dict[str, Any]) -> None:
     for depth, x in r["restore"].items():
         print(f"restore depth {depth:>2}  {x['fast_ms']:>9.2f} ms   replay same env "
               f"{x['replay_same_env_ms']:.0f} ms (x{x['speedup_vs_same_env_replay']})   "
-              f"fresh env {x['replay_fresh_env_ms']:.0f} ms (x{x['speedup_vs_fresh_env_replay']})")
+              f"fresh instance {x['fresh_instance_store_ms']:.0f} ms")
+        print(f"  fresh process   {x['fresh_process_store_ms']:>9.1f} ms   full replay "
+              f"{x['fresh_process_full_replay_ms']:.0f} ms   ratio "
+              f"{x['fresh_process_store_vs_full_replay']}")
+    e = r["episodes"]
+    print(f"episodes/s        {e['async_vector_2_next_step_per_s']:>9.3f}     AsyncVectorEnv(2) "
+          f"next-step autoreset vs one process {e['one_process_per_s']:.3f}   ratio "
+          f"{e['async_vector_vs_one_process']}")
     print(f"generate          {r['generate']['s_per_game_mean']:>9.2f} s per verified game "
           f"(max {r['generate']['s_per_game_max']} s)")
 

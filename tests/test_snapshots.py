@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import zlib
+from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent_gym import BackendFailure, Opening, StateMismatchError, Task, TextEnv, Transition
+from agent_gym.hoststore import HostStore
 
 
 class TallyEnv(TextEnv):
@@ -228,3 +234,108 @@ def test_a_step_calls_at_most_one_backend() -> None:
     env.reset(options={"task_id": "zero"})
     with pytest.raises(RuntimeError, match="called a backend twice in one step"):
         env.step("1")
+
+
+# ------------------------------------------------------------------ the host store
+class StoredTally(TallyEnv):
+    """A tally that also redoes its moves from the host store: its move is the number
+    added (0 for a refused one); ``data`` stands for the content of its tasks."""
+
+    env_id = "tests/StoredTally-v0"
+
+    def __init__(self, store: str | None = None, data: str = "v1") -> None:
+        super().__init__()
+        self._store = HostStore("tally_prefixes", store)
+        self.data = data
+        self.redone: list[list[int]] = []
+        self.redo_works = True
+        self._added = 0
+
+    def _step(self, action: str) -> Transition:
+        before = self.total
+        result = super()._step(action)
+        self._added = self.total - before
+        return result
+
+    def _fingerprint(self, task: Task) -> str:
+        return self.data
+
+    def _move(self) -> int:
+        return self._added
+
+    def _redo(self, moves: Sequence[Any]) -> bool:
+        if not self.redo_works:
+            return False
+        self.redone.append(list(moves))
+        self.total += sum(moves)
+        return True
+
+
+def shared(tmp_path: Path, **kwargs: Any) -> tuple[StoredTally, StoredTally]:
+    """Two instances on one store file, as two processes of a host would be."""
+    path = tmp_path / "store.sqlite"
+    return StoredTally(str(path), **kwargs), StoredTally(str(path), **kwargs)
+
+
+def test_a_fresh_instance_redoes_the_recorded_moves_and_checks_every_observation(
+    tmp_path: Path,
+) -> None:
+    first, fresh = shared(tmp_path)
+    states = played(first)
+    observation, info = fresh.reset(options={"state": states[-1]})
+    assert (observation, info["snapshot_source"], info["snapshot_depth"]) == (
+        "total 15", "store", len(ACTIONS))
+    assert fresh.steps == 0 and fresh.redone == [[3, 0, 4, -2, 10]]
+    assert [m["content"] for m in info["history"][1::2]] == list(first._transcript[1:])
+    assert fresh.save_state() == states[-1] and fresh.step("5")[0] == "total 20"
+    for step in range(1, len(ACTIONS) + 1):  # a wrong digest still fails at its own step
+        digests = list(states[-1].digests)
+        digests[step] = "0" * 16
+        with pytest.raises(StateMismatchError) as caught:
+            fresh.reset(options={"state": replace(states[-1], digests=tuple(digests))})
+        assert caught.value.step == step
+    # Another action: the record is another prefix's, so the steps from there are replayed.
+    forged = replace(states[-1], actions=(*ACTIONS[:2], "5", *ACTIONS[3:]))
+    with pytest.raises(StateMismatchError) as caught:
+        fresh.reset(options={"state": forged})
+    assert caught.value.step == 3
+
+
+def test_a_record_is_never_taken_across_data_settings_or_an_engine_that_cannot_redo(
+    tmp_path: Path,
+) -> None:
+    first, other_data = shared(tmp_path)
+    other_data.data = "v2"  # the same task id on other data
+    state = played(first)[-1]
+    assert other_data.reset(options={"state": state})[1]["snapshot_source"] is None
+    assert other_data.steps == len(ACTIONS)
+    unable = StoredTally(str(tmp_path / "store.sqlite"))
+    unable.redo_works = False
+    assert unable.reset(options={"state": state})[1]["snapshot_source"] is None
+    assert unable.save_state() == state
+
+
+def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> None:
+    first, fresh = shared(tmp_path)
+    state = played(first)[-1]
+    # Damage the record of step 2 the way stale code would: another observation.
+    damaged = StoredTally(str(tmp_path / "store.sqlite"))
+    damaged.reset(options={"task_id": "zero"})
+    damaged.step("3")
+    key = damaged._chain[-1]
+    entry = json.loads(zlib.decompress(damaged._store.get(_next_key(key, "x"))))
+    entry["transition"]["observation"] = "total 1000"
+    fresh._store.put(_next_key(key, "x"), zlib.compress(json.dumps(entry).encode()))
+    fresh._store.clear_memory()
+    observation, info = fresh.reset(options={"state": state})
+    assert observation == "total 15" and info["snapshot_source"] is None  # replayed
+    assert fresh.steps == len(ACTIONS) and fresh.save_state() == state
+    # The replay wrote the record again: the next restore is a redo once more.
+    assert StoredTally(str(tmp_path / "store.sqlite")).reset(
+        options={"state": state})[1]["snapshot_source"] == "store"
+
+
+def _next_key(previous: str, action: str) -> str:
+    from agent_gym.core import _chain
+
+    return _chain(previous, action, None)

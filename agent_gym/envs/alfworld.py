@@ -15,6 +15,7 @@ from agent_gym.alfworld.games import (
     resolve_root,
 )
 from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.hoststore import host_store
 from agent_gym.protocols import PlainTextProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.tools import ToolCallError, ToolSpec
 
@@ -80,8 +81,17 @@ class ALFWorldEnv(OutcomeEnv):
 
     Restoring a state this instance has been through jumps to an engine snapshot instead
     of replaying (the base class's snapshot cache, still checking every observation
-    digest); anything else replays. ``data_path`` and ``plan_timeout`` are host settings,
-    never taken from a saved state.
+    digest). A state any instance of this process -- or, with ``restore_store``, of this
+    host -- has played is restored by redoing the planner's moves (under a millisecond
+    each, no text written) and taking the observations on the way from the host's own
+    record, checked against the state's digests just the same; anything else replays.
+    Games are translated once per process (once per host with ``restore_store``), so a
+    fresh instance loads in milliseconds instead of seconds. That is also what lets many
+    episodes run per process without lockstep stalls: an ``AsyncVectorEnv`` with
+    next-step autoreset (``vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP}``)
+    resets a finished sub-env inside its next step, now in milliseconds. ``data_path``,
+    ``plan_timeout`` and ``restore_store`` are host settings, never taken from a saved
+    state.
 
     Args:
         data_path, split: where the games come from (split: train, valid_seen,
@@ -94,11 +104,14 @@ class ALFWorldEnv(OutcomeEnv):
             turns.
         invalid_penalty: subtracted from the reward of an invalid step.
         plan_timeout: seconds to plan a walkthrough for a game that has none (0: never).
+        restore_store: a SQLite file this host's processes share for game translations
+            and played prefixes (see ``agent_gym.hoststore``); None keeps them in this
+            process only.
     """
 
     env_id = "agent_gym/ALFWorld-v0"
     # Host files and the planner's time budget: never a state's.
-    host_settings = frozenset({"data_path", "plan_timeout"})
+    host_settings = frozenset({"data_path", "plan_timeout", "restore_store"})
 
     def __init__(
         self,
@@ -112,6 +125,7 @@ class ALFWorldEnv(OutcomeEnv):
         reward_incorrect: float = 0.0,
         invalid_penalty: float = 0.0,
         plan_timeout: float = 0.0,
+        restore_store: str | None = None,
         render_mode: str | None = None,
     ) -> None:
         self.protocol = choose_protocol(protocol, PROTOCOLS)
@@ -131,7 +145,9 @@ class ALFWorldEnv(OutcomeEnv):
         )
         self.show_admissible = show_admissible
         self.plan_timeout = plan_timeout
-        self._engine = Engine()
+        self._engine = Engine(host_store("alfworld_games", restore_store))
+        self._store = host_store("alfworld_prefixes", restore_store)
+        self._moved: str | None = None  # the operator the last _step applied, if any
         self._game: tuple[str, Game] | None = None
         self._root: Snapshot | None = None
         self._plans: dict[str, list[str] | None] = {}
@@ -160,6 +176,7 @@ class ALFWorldEnv(OutcomeEnv):
         )
 
     def _step(self, action: str) -> Transition:
+        self._moved = None
         frame = self._engine.frame
         try:
             call = self.protocol.parse(action)
@@ -178,6 +195,7 @@ class ALFWorldEnv(OutcomeEnv):
                 f"Nothing happens: {shown!r} is not an admissible action here.", frame, role
             )
         frame = self._engine.step(command)
+        self._moved = self._engine.last_move
         return Transition(
             self._observe(frame.feedback, frame), self.reward_correct if frame.won else 0.0,
             terminated=frame.won, role=role, info={**self._frame_info(frame), "action": command},
@@ -193,6 +211,28 @@ class ALFWorldEnv(OutcomeEnv):
             return False
         self._engine.restore(snapshot)
         return True
+
+    def _fingerprint(self, task: Task) -> str:
+        return self._engine.key
+
+    def _move(self) -> dict[str, Any]:
+        """The operator applied (None when the command was refused) and the frame after."""
+        frame = self._engine.frame
+        return {"operator": self._moved,
+                "frame": [frame.feedback, list(frame.admissible), frame.won]}
+
+    def _redo(self, moves: Sequence[Any]) -> bool:
+        try:
+            feedback, admissible, won = moves[-1]["frame"]
+            frame = Frame(str(feedback), tuple(map(str, admissible)), bool(won))
+            operators = [move["operator"] for move in moves]
+        except (TypeError, KeyError, ValueError, IndexError):
+            return False
+        if self._engine.redo(operators, frame):
+            return True
+        if self._root is not None:
+            self._engine.restore(self._root)
+        return False
 
     def _close(self) -> None:
         self._engine.close()

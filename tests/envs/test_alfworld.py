@@ -302,6 +302,7 @@ def count_engine_steps(made: ALFWorldEnv, monkeypatch: pytest.MonkeyPatch) -> li
 
 def test_restore_in_the_same_env_jumps_to_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
     made = make()
+    made._store = None  # this instance's snapshots alone (the host store is tested below)
     states = played(made)
     steps = count_engine_steps(made, monkeypatch)
     for state in reversed(states):
@@ -332,8 +333,15 @@ def test_snapshots_of_an_unloaded_game_are_not_used() -> None:
     state = whole.save_state()
     whole.reset(options={"index": 1})  # loads another game: the engine forgets the first
     info = whole.reset(options={"state": state})[1]
+    # This instance's snapshot died with the game; the host's record of the prefix did not.
+    assert (info["snapshot_depth"], info["snapshot_source"]) == (1, "store")
+    assert whole.save_state() == state
+    whole._store = None
+    whole.reset(options={"index": 1})
+    info = whole.reset(options={"state": state})[1]
     assert info["snapshot_depth"] == 0 and whole.save_state() == state
-    assert whole.reset(options={"state": state})[1]["snapshot_depth"] == 1  # cached again
+    info = whole.reset(options={"state": state})[1]  # cached again
+    assert (info["snapshot_depth"], info["snapshot_source"]) == (1, "instance")
     whole.close()
 
 
@@ -362,6 +370,59 @@ def test_restore_replays_in_a_fresh_env_and_the_episode_goes_on() -> None:
     _, reward, terminated, _, _ = second.step(call(walkthrough[-1]))
     assert (reward, terminated) == (1.0, True)
     second.close()
+
+
+def test_a_fresh_instance_restores_from_the_host_record_without_replaying(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    store = str(tmp_path / "store.sqlite")
+    first = make(restore_store=store)
+    states = played(first)
+    walkthrough = first.reset()[1]["privileged"]["walkthrough"]
+    first.close()
+    fresh = make(restore_store=store)
+    steps = count_engine_steps(fresh, monkeypatch)
+    for state in states[1:]:
+        _, info = fresh.reset(options={"state": state})
+        assert (info["snapshot_source"], info["snapshot_depth"]) == ("store", state.depth)
+        assert fresh.save_state() == state
+    assert steps == []  # the planner's moves were redone, no command was played
+    deepest = states[-1]
+    digests = list(deepest.digests)
+    digests[3] = "0" * 16
+    with pytest.raises(StateMismatchError) as caught:
+        fresh.reset(options={"state": replace(deepest, digests=tuple(digests))})
+    assert caught.value.step == 3
+    actions = list(deepest.actions)
+    actions[2] = "no command here"
+    with pytest.raises(StateMismatchError) as caught:
+        fresh.reset(options={"state": replace(deepest, actions=tuple(actions))})
+    assert caught.value.step == 3
+    # The episode goes on: the engine writes its view of the redone state (checked against
+    # the recorded frame) and the last command wins.
+    fresh.reset(options={"state": deepest})
+    _, reward, terminated, _, _ = fresh.step(call(walkthrough[-1]))
+    assert (reward, terminated) == (1.0, True)
+    fresh.close()
+
+
+def test_another_process_restores_from_the_host_store_file(tmp_path: Path) -> None:
+    """The process reads the game's translation and the prefix record from the file."""
+    store = str(tmp_path / "store.sqlite")
+    first = make(restore_store=store)
+    state = played(first)[-1]
+    last = first.reset()[1]["privileged"]["oracle_actions"][-1]
+    first.close()
+    script = f"""
+import fast_downward, gymnasium, agent_gym
+fast_downward.pddl2sas = None  # translating again would fail
+env = gymnasium.make({ENV!r}, data_path={str(HEAT)!r}, restore_store={store!r}).unwrapped
+_, info = env.reset(options={{"state": {state.to_json()!r}}})
+print(info["snapshot_source"], info["snapshot_depth"], env.step({last!r})[1])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["store", str(state.depth), "1.0"], done.stderr[-2000:]
 
 
 def test_tampered_or_foreign_states_raise() -> None:

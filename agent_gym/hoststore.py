@@ -1,0 +1,170 @@
+"""A host-side key -> bytes store: what this host computed once and may reuse, in any of
+its env instances and, with a file, in any of its processes.
+
+Restoring an episode in a fresh process means redoing work another process on the same
+host already did (translating a game, playing its first forty steps). This store keeps
+those results: a bounded in-memory LRU per process, and optionally a SQLite file (WAL mode,
+so the worker processes of a vector env share it safely) named by the host. It is written
+only by this host's own code from what it computed itself; a client's saved state can
+select entries (by the digest of a prefix it claims) but never write or name one, so
+nothing here is trusted on a client's word. The file is a cache: a damaged or unreadable
+one is reported once and then ignored, and the store goes on in memory.
+
+Keys of different uses never meet: each use has its own table. ``code_fingerprint``
+changes with any edit of this package or of the engines' versions, so entries written by
+other code are never read back as this code's results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import sqlite3
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+MAX_MEMORY_ENTRIES = 8192  # per table per process
+MAX_FILE_ROWS = 200_000  # per table; the oldest written go first
+_PRUNE_EVERY = 1024  # writes between two prunes of the file
+_TABLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz_")
+
+
+class HostStore:
+    """One table of host-computed entries: memory always, ``path`` (a SQLite file) too
+    when given. Thread-safe; safe across ``fork`` (a child reopens the file)."""
+
+    def __init__(self, table: str, path: str | os.PathLike[str] | None = None, *,
+                 max_memory: int = MAX_MEMORY_ENTRIES, max_rows: int = MAX_FILE_ROWS) -> None:
+        if not table or not set(table) <= _TABLE_CHARS:
+            raise ValueError(f"table names are lower-case letters and '_', got {table!r}")
+        self.table = table
+        self.path = Path(path) if path is not None else None
+        self.max_memory = max_memory
+        self.max_rows = max_rows
+        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
+        self._pid = -1  # the process that opened _db
+        self._writes = 0
+        self._broken = False
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
+        """The entries found among ``keys`` (memory first, then the file)."""
+        keys = list(dict.fromkeys(keys))
+        with self._lock:
+            found = {key: self._memory[key] for key in keys if key in self._memory}
+            missing = [key for key in keys if key not in found]
+            db = self._connection() if missing else None
+            if db is not None:
+                try:
+                    for start in range(0, len(missing), 500):  # SQLite's bound-variable limit
+                        chunk = missing[start:start + 500]
+                        marks = ",".join("?" * len(chunk))
+                        rows = db.execute(
+                            f"SELECT key, value FROM {self.table} WHERE key IN ({marks})", chunk
+                        ).fetchall()
+                        found.update((str(key), bytes(value)) for key, value in rows)
+                except sqlite3.Error as err:
+                    self._give_up(err)
+            for key in keys:
+                if key in found:
+                    self._keep(key, found[key])
+            return found
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key]).get(key)
+
+    def put(self, key: str, value: bytes) -> None:
+        with self._lock:
+            self._keep(key, value)
+            db = self._connection()
+            if db is None:
+                return
+            try:
+                db.execute(f"INSERT OR REPLACE INTO {self.table} VALUES (?, ?)", (key, value))
+                db.commit()
+                self._writes += 1
+                if self._writes % _PRUNE_EVERY == 0:
+                    db.execute(f"DELETE FROM {self.table} WHERE rowid <= "
+                               f"(SELECT MAX(rowid) FROM {self.table}) - ?", (self.max_rows,))
+                    db.commit()
+            except sqlite3.Error as err:
+                self._give_up(err)
+
+    def clear_memory(self) -> None:
+        """Forget this process's copies (the file keeps its entries)."""
+        with self._lock:
+            self._memory.clear()
+
+    def _keep(self, key: str, value: bytes) -> None:
+        self._memory[key] = value
+        self._memory.move_to_end(key)
+        while len(self._memory) > self.max_memory:
+            self._memory.popitem(last=False)
+
+    def _connection(self) -> sqlite3.Connection | None:
+        if self.path is None or self._broken:
+            return None
+        if self._db is not None and self._pid == os.getpid():
+            return self._db
+        # A connection inherited through fork must not be used: open this process's own.
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # a cache: losing the last writes is fine
+            db.execute(f"CREATE TABLE IF NOT EXISTS {self.table} "
+                       "(key TEXT PRIMARY KEY, value BLOB NOT NULL)")
+            db.commit()
+        except (OSError, sqlite3.Error) as err:
+            self._give_up(err)
+            return None
+        self._db, self._pid = db, os.getpid()
+        return db
+
+    def _give_up(self, err: Exception) -> None:
+        self._broken = True
+        warnings.warn(f"host store {self.path} is unusable ({err}); going on in memory only",
+                      RuntimeWarning, stacklevel=3)
+
+
+_STORES: dict[tuple[str, str | None], HostStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def host_store(table: str, path: str | os.PathLike[str] | None = None) -> HostStore:
+    """This process's store for ``table`` (and ``path``): every env instance in the
+    process that names the same ones shares it."""
+    key = (table, None if path is None else os.fspath(Path(path).expanduser().resolve()))
+    with _STORES_LOCK:
+        if key not in _STORES:
+            _STORES[key] = HostStore(table, key[1])
+        return _STORES[key]
+
+
+_CODE_FINGERPRINT: str | None = None
+ENGINE_PACKAGES = ("textworld", "alfworld", "fast-downward-textworld", "gymnasium")
+
+
+def code_fingerprint() -> str:
+    """A digest of this package's source and of the engines' versions: results computed
+    by any other code never share keys with this code's."""
+    global _CODE_FINGERPRINT
+    if _CODE_FINGERPRINT is None:
+        hasher = hashlib.sha256()
+        root = Path(__file__).resolve().parent
+        for source in sorted(root.rglob("*.py")):
+            hasher.update(source.relative_to(root).as_posix().encode())
+            hasher.update(source.read_bytes())
+        for package in ENGINE_PACKAGES:
+            try:
+                version = importlib.metadata.version(package)
+            except importlib.metadata.PackageNotFoundError:
+                version = "-"
+            hasher.update(f"{package}={version};".encode())
+        _CODE_FINGERPRINT = hasher.hexdigest()
+    return _CODE_FINGERPRINT
