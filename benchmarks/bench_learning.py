@@ -180,7 +180,7 @@ def main() -> int:
     parser.add_argument("--sft-learning-rate", type=float, default=2e-4)
     parser.add_argument("--grpo-from-epoch", type=int, default=2)
     parser.add_argument("--grpo-steps", type=int, default=12)
-    parser.add_argument("--grpo-learning-rate", type=float, default=4e-5)
+    parser.add_argument("--grpo-learning-rate", type=float, default=1e-4)
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply")
     parser.add_argument("--max-turns", type=int, default=4, help="per episode")
     parser.add_argument("--work", default="runs/bench-learning")
@@ -191,11 +191,6 @@ def main() -> int:
     torch.set_num_threads(1)
     work = Path(options.work)
     out = Path(options.out)
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results |= {"env_id": ENV_ID, "torch_threads": 1,
-                "split": {"train_tasks": 56, "heldout_tasks": 18,
-                          "rule": "Search-v0 split=train / split=test: the split field of "
-                                  "search_qa.jsonl (question i held out when i % 4 == 3)"}}
     for name in [n for n in SECTIONS if n in (options.only or SECTIONS)]:
         uptime_start, started = os.getloadavg(), time.perf_counter()
         section = SECTIONS[name](options, work)
@@ -203,7 +198,12 @@ def main() -> int:
                     "total_seconds": round(time.perf_counter() - started, 1),
                     "load_average_start": [round(x, 2) for x in uptime_start],
                     "load_average_end": [round(x, 2) for x in os.getloadavg()]}
-        results[name] = section
+        # Read just before writing: the other sections' figures stay as they were measured.
+        results = json.loads(out.read_text()) if out.is_file() else {}
+        results |= {"env_id": ENV_ID, "torch_threads": 1, name: section, "split": {
+            "train_tasks": 56, "heldout_tasks": 18,
+            "rule": "Search-v0 split=train / split=test: the split field of search_qa.jsonl "
+                    "(question i held out when i % 4 == 3)"}}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
         print(name, json.dumps(section.get("eval")))
