@@ -176,9 +176,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=sorted(SECTIONS), action="append",
                         help="run only this section (repeatable; default: all, in order)")
-    parser.add_argument("--epochs", type=int, default=4, help="SFT epochs")
-    parser.add_argument("--sft-learning-rate", type=float, default=2e-4)
-    parser.add_argument("--grpo-from-epoch", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=2, help="SFT epochs")
+    parser.add_argument("--sft-learning-rate", type=float, default=1e-3)
+    parser.add_argument("--grpo-from-epoch", type=int, default=1)
     parser.add_argument("--grpo-steps", type=int, default=12)
     parser.add_argument("--grpo-learning-rate", type=float, default=1e-4)
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply")
