@@ -12,9 +12,11 @@ out of episodes, with 95% Wilson intervals, and the held-out demonstrations' NLL
 token), writes ``summary.json`` and the training curves (``sft/metrics.png``).
 
 Why SFT alone, without a GRPO or OPD stage after it: the budget is ten minutes on two
-cores, and the SFT epoch alone takes most of it; a GRPO step from the SFT checkpoint
-costs about a minute there (``benchmarks/results/learning.json``, section ``grpo``), so the
-few steps that would fit move held-out success by less than its interval.
+cores, and the two evals and the SFT epoch take about seven of them in CPU time (measured:
+0/18 -> 10/18 held out, README); a GRPO step of 2 tasks x 4 branches from the SFT
+checkpoint took 52-54 s of wall-clock time at load 3-4 (``benchmarks/results/learning.json``,
+section ``grpo``), so the two or three steps that would fit, 8 sampled episodes each,
+could not move 18 held-out episodes by more than their interval.
 
 Each stage is resumable the way its command is (eval keeps finished episodes, SFT continues
 from its checkpoint), so an interrupted demo picks up where it stopped.
