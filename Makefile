@@ -1,4 +1,4 @@
-# Two commands: `make run` (the main job on embedded defaults) and `make test`.
+# Two commands: `make run` (the main job: the embedded model learns a task) and `make test`.
 # Both build the virtual environment first; nothing beyond the package registries is needed.
 PYTHON ?= python3
 VENV ?= .venv
@@ -53,8 +53,11 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# The main job: evaluate the embedded model on Search-v0's held-out questions, fine-tune it
+# on the train split's demonstrations, evaluate again (trainers/demo.py). The eval suite of
+# every env is in the README.
 run: setup
-	$(BIN)/agent-gym eval --suite default --max-tokens 160 --out runs/eval-default
+	$(BIN)/agent-gym train demo --out runs/demo
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

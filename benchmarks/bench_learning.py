@@ -1,6 +1,7 @@
-"""Does SFT on oracle demonstrations make the embedded model succeed on held-out tasks?
+"""Do the trainers make the embedded model better on a bundled env's held-out tasks?
 
-    python benchmarks/bench_learning.py [--epochs 4] [--out benchmarks/results/learning.json]
+    python benchmarks/bench_learning.py                 # every section, in order
+    python benchmarks/bench_learning.py --only grpo     # one section (its inputs must exist)
 
 Env: Search-v0 on its bundled corpus. Why this one: its oracle episodes are short (2 to 4
 replies of 10 to 30 tokens, about 350 tokens in all, against ~900 for an ALFWorld game and
@@ -9,19 +10,33 @@ templates over different entities, so a 135M model can learn the *procedure* (se
 entity, copy the answer out of the passage) rather than the facts, and a training step
 fits in seconds on one CPU thread.
 
-Split: the bundled set has a single split, so this script writes one from it: every fourth
-question (index % 4 == 3) is held out, the rest is trained on. That spreads each template
-over both sides and no held-out question is ever trained on. (The split belongs in the
-env's data; the env package is being restructured, so it lives here until it can move.)
+Split: the env's own (``split="train"``: 56 questions, ``split="test"``: 18, every fourth
+question held out, written in ``search_qa.jsonl``). Nothing trains on a test question.
 
-Measured: held-out success of the base model and of the SFT checkpoint with greedy
-decoding (``agent-gym eval``, same seed, same tasks), each with its episode count and 95%
-Wilson interval, and the held-out demonstrations' NLL per token before and after. Writes
-``--out`` (JSON) and the training curve to the same name with ``.png``.
+Sections (``--only``), each merged into ``--out`` under its name, so one can be re-run:
 
-Measured here (one torch thread, 2 cores shared, load 2-10): base 0/18 [0.00, 0.18];
-after 2 epochs (28 steps) 4/18 [0.09, 0.45], held-out NLL 2.14 -> 0.14; continued to 4
-epochs (56 steps) 14/18 [0.55, 0.91], NLL 0.04 (9/10 one-hop, 5/7 two-hop, 0/1 three-hop).
+- ``sft``: held-out success of the base model and of the SFT checkpoint (greedy
+  ``agent-gym eval``, same seed, same tasks), with counts and 95% Wilson intervals; the
+  held-out demonstrations' NLL per token before and after; a checkpoint every epoch.
+- ``grpo``: GRPO continued from an SFT checkpoint (``--init-from``) on the train split:
+  groups that trained (non-degenerate) and reward of the first vs the last steps, with
+  episode counts and intervals, then held-out success of the GRPO checkpoint. It starts
+  from the checkpoint after ``--grpo-from-epoch`` SFT epochs (default 1, the one
+  ``make run`` trains): sampled at temperature 1 it solves some train tasks and not
+  others, so groups can differ; a group of 4 that all succeed or all fail is degenerate
+  and trains nothing, and those are counted.
+
+SFT here is one epoch at learning rate 1e-3 by default (``--preset cpu-demo``'s, what
+``make run`` trains); the earlier measurement of 4 epochs at 2e-4 (0/18 -> 14/18 held
+out) took about an hour on the shared cores.
+
+The training curves go to ``--out`` with ``.png``. Figures and their load: in ``--out``.
+
+Measured (2 cores shared by 8 sessions, one torch thread, load 1.4-33): base 0/18
+[0.00, 0.18]; after one SFT epoch (14 steps) 10/18 [0.34, 0.75], held-out NLL per token
+2.03 -> 0.076. GRPO from that checkpoint: 7 of 20 groups non-degenerate in 10 steps,
+reward 4/24 [0.07, 0.36] in steps 0-2 -> 9/24 [0.21, 0.57] in steps 7-9; killed by the
+OOM killer in step 10 (the results file says which figures came from which run).
 """
 
 from __future__ import annotations
@@ -29,46 +44,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainers.sft import Args, train  # noqa: E402
+from agent_gym.eval import wilson_interval  # noqa: E402
+from trainers import grpo, sft  # noqa: E402
+from trainers.run import read_metrics  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
-HELD_OUT_EVERY = 4  # index % 4 == 3 is held out
+TRAIN, TEST = {"split": "train"}, {"split": "test"}
 
 
-def write_split(folder: Path) -> tuple[Path, Path]:
-    """The bundled questions as two JSONL files: train and held out."""
-    source = ROOT / "agent_gym" / "datasets" / "search_qa.jsonl"
-    rows = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
-    folder.mkdir(parents=True, exist_ok=True)
-    train_path, test_path = folder / "train.jsonl", folder / "test.jsonl"
-    train_path.write_text("".join(r + "\n" for i, r in enumerate(rows)
-                                  if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1))
-    test_path.write_text("".join(r + "\n" for i, r in enumerate(rows)
-                                 if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1))
-    return train_path, test_path
-
-
-def evaluate(policy: str, test_path: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+def evaluate(policy: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Greedy episodes of ``policy`` on every held-out task, through ``agent-gym eval``."""
-    episodes = sum(1 for line in test_path.read_text().splitlines() if line.strip())
     command = [sys.executable, "-m", "agent_gym.cli", "eval", ENV_ID, "--policy", policy,
-               "--episodes", str(episodes), "--concurrency", "1", "--out", str(out),
-               "--max-tokens", str(args.max_tokens), "--env-arg", f"data_path={test_path}",
+               "--episodes", "18", "--concurrency", "8", "--out", str(out),
+               "--max-tokens", str(args.max_tokens), "--split", "test",
                "--env-arg", f"max_turns={args.max_turns}", "--quiet"]
     started = time.perf_counter()
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                        "AGENT_GYM_THREADS": "1"}
     subprocess.run(command, check=True, env=env)
     summary = json.loads((out / "summary.json").read_text())
-    return {"policy": policy, "episodes": summary["episodes"],
+    return {"policy": policy, "command": " ".join(command[2:]), "episodes": summary["episodes"],
             "successes": round(summary["success_rate"] * summary["episodes"]),
             "success_rate": summary["success_rate"],
             "success_ci95": [summary["success_low"], summary["success_high"]],
@@ -76,13 +82,119 @@ def evaluate(policy: str, test_path: Path, out: Path, args: argparse.Namespace) 
             "seconds": round(time.perf_counter() - started, 1)}
 
 
+def counted(successes: int, episodes: int) -> dict[str, Any]:
+    low, high = wilson_interval(successes, episodes)
+    return {"successes": successes, "episodes": episodes,
+            "rate": successes / episodes if episodes else None,
+            "ci95": [round(low, 3), round(high, 3)]}
+
+
+def fresh(*folders: Path) -> None:
+    """A section re-measures: its previous run and eval directories (which would resume
+    instead) are removed first."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def section_sft(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    fresh(work / "eval-base", work / "sft", work / "eval-sft")
+    base = evaluate("local:smollm2", work / "eval-base", args)
+    steps_per_epoch = 14  # 56 train demonstrations / batch 4
+    sft_args = sft.Args(env_id=ENV_ID, env_kwargs=TRAIN, heldout_env_kwargs=TEST,
+                        threads=1, epochs=args.epochs, batch_size=4,
+                        learning_rate=args.sft_learning_rate, out=str(work / "sft"),
+                        save_every=steps_per_epoch, heldout_every=steps_per_epoch,
+                        progress=False)
+    t0 = time.perf_counter()
+    history = sft.train(sft_args)
+    train_seconds = time.perf_counter() - t0
+    checkpoint = json.loads((work / "sft" / "checkpoint.json").read_text())["path"]
+    after = evaluate(f"local:smollm2@{checkpoint}", work / "eval-sft", args)
+    demos = json.loads((work / "sft" / "demonstrations.json").read_text())
+    epochs = {str(row["epoch"] + 1): row.get("heldout_nll") for row in history
+              if "heldout_nll" in row}
+    return {
+        "command": f"agent-gym train sft --env-kwargs '{json.dumps(TRAIN)}' "
+                   f"--heldout-env-kwargs '{json.dumps(TEST)}' --epochs {args.epochs} "
+                   f"--batch-size 4 --learning-rate {args.sft_learning_rate} --threads 1",
+        "epochs": args.epochs, "steps": len(history), "batch_size": 4,
+        "learning_rate": args.sft_learning_rate, "lora_rank": sft_args.lora_rank,
+        "demonstrations": demos,
+        "heldout_nll_before": history[0].get("heldout_nll_before"),
+        "heldout_nll_by_epoch": epochs,
+        "train_loss_first": history[0]["loss"], "train_loss_last": history[-1]["loss"],
+        "step_seconds_mean": round(train_seconds / len(history), 1),
+        "seconds": round(train_seconds, 1),
+        "checkpoints": {str(i + 1): str(p) for i, p in enumerate(
+            sorted(Path(checkpoint).parent.glob("step-*")))},
+        "eval": {"decoding": "greedy", "max_tokens": args.max_tokens,
+                 "max_turns": args.max_turns, "base": base, "sft": after},
+    }
+
+
+def section_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    sft_checkpoints = sorted((work / "sft" / "checkpoints").glob("run-*/step-*"))
+    if len(sft_checkpoints) < args.grpo_from_epoch:
+        raise SystemExit(f"run the sft section first: no epoch-{args.grpo_from_epoch} "
+                         f"checkpoint under {work / 'sft'}")
+    start = str(sft_checkpoints[args.grpo_from_epoch - 1])
+    fresh(work / "grpo", work / "eval-grpo")
+    grpo_args = grpo.Args(env_id=ENV_ID, env_kwargs=TRAIN, init_from=start, threads=1,
+                          steps=args.grpo_steps, batch_size=2, group_size=4,
+                          max_tokens=args.max_tokens, max_turns=args.max_turns,
+                          learning_rate=args.grpo_learning_rate, out=str(work / "grpo"),
+                          save_every=args.grpo_steps, progress=False)
+    t0 = time.perf_counter()
+    grpo.train(grpo_args)
+    train_seconds = time.perf_counter() - t0
+    rows = read_metrics(work / "grpo" / "metrics.jsonl")
+    checkpoint = json.loads((work / "grpo" / "checkpoint.json").read_text())["path"]
+    after = evaluate(f"local:smollm2@{checkpoint}", work / "eval-grpo", args)
+    window = max(1, len(rows) // 3)
+
+    def steps_summary(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        episodes = sum(int(r["groups"]) * 4 for r in chosen)
+        successes = round(sum(float(r["reward_mean"]) * int(r["groups"]) * 4 for r in chosen))
+        return {"steps": [r["step"] for r in chosen], **counted(successes, episodes),
+                "groups": sum(int(r["groups"]) for r in chosen),
+                "degenerate_groups": sum(int(r["degenerate_groups"]) for r in chosen)}
+
+    return {
+        "command": f"agent-gym train grpo --env-id {ENV_ID} --env-kwargs '{json.dumps(TRAIN)}' "
+                   f"--init-from {start} --steps {args.grpo_steps} --batch-size 2 "
+                   f"--group-size 4 --max-tokens {args.max_tokens} --max-turns "
+                   f"{args.max_turns} --learning-rate {args.grpo_learning_rate} --threads 1",
+        "from_sft_epoch": args.grpo_from_epoch, "init_from": start,
+        "steps": len(rows), "batch_size": 2, "group_size": 4,
+        "learning_rate": args.grpo_learning_rate,
+        "trained_steps": sum(1 for r in rows if r["datums"]),
+        "groups": sum(int(r["groups"]) for r in rows),
+        "degenerate_groups": sum(int(r["degenerate_groups"]) for r in rows),
+        "reward_by_step": [round(float(r["reward_mean"]), 3) for r in rows],
+        "first_steps": steps_summary(rows[:window]), "last_steps": steps_summary(rows[-window:]),
+        "step_seconds_mean": round(train_seconds / max(1, len(rows)), 1),
+        "seconds": round(train_seconds, 1),
+        "eval": {"decoding": "greedy", "max_tokens": args.max_tokens,
+                 "max_turns": args.max_turns, "grpo": after},
+    }
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
+    "sft": section_sft, "grpo": section_grpo,
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=2e-4)
-    parser.add_argument("--max-tokens", type=int, default=48, help="per reply in eval")
-    parser.add_argument("--max-turns", type=int, default=4, help="per held-out episode")
+    parser.add_argument("--only", choices=sorted(SECTIONS), action="append",
+                        help="run only this section (repeatable; default: all, in order)")
+    parser.add_argument("--epochs", type=int, default=1, help="SFT epochs")
+    parser.add_argument("--sft-learning-rate", type=float, default=1e-3)
+    parser.add_argument("--grpo-from-epoch", type=int, default=1)
+    parser.add_argument("--grpo-steps", type=int, default=12)
+    parser.add_argument("--grpo-learning-rate", type=float, default=1e-4)
+    parser.add_argument("--max-tokens", type=int, default=48, help="per reply")
+    parser.add_argument("--max-turns", type=int, default=4, help="per episode")
     parser.add_argument("--work", default="runs/bench-learning")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/learning.json"))
     options = parser.parse_args()
@@ -90,61 +202,57 @@ def main() -> int:
 
     torch.set_num_threads(1)
     work = Path(options.work)
-    train_path, test_path = write_split(work / "data")
-    load_before = os.getloadavg()
-    started = time.perf_counter()
-
-    base = evaluate("local:smollm2", test_path, work / "eval-base", options)
-    sft_args = Args(env_id=ENV_ID, env_kwargs={"data_path": str(train_path)},
-                    heldout_env_kwargs={"data_path": str(test_path)}, threads=1,
-                    epochs=options.epochs, batch_size=options.batch_size,
-                    learning_rate=options.learning_rate, out=str(work / "sft"),
-                    save_every=1000, progress=False)
-    t0 = time.perf_counter()
-    history = train(sft_args)
-    train_seconds = time.perf_counter() - t0
-    checkpoint = json.loads((work / "sft" / "checkpoint.json").read_text())["path"]
-    after = evaluate(f"local:smollm2@{checkpoint}", test_path, work / "eval-sft", options)
-    demos = json.loads((work / "sft" / "demonstrations.json").read_text())
-
-    result = {
-        "command": " ".join(["python", *sys.argv]),
-        "env_id": ENV_ID,
-        "split": {"train_tasks": demos["used"], "heldout_tasks": base["episodes"],
-                  "rule": "bundled search_qa.jsonl, index % 4 == 3 held out"},
-        "sft": {"epochs": options.epochs, "steps": len(history),
-                "batch_size": options.batch_size, "learning_rate": options.learning_rate,
-                "lora_rank": sft_args.lora_rank, "demonstrations": demos,
-                "heldout_nll_before": history[0].get("heldout_nll_before"),
-                "heldout_nll_after": history[-1].get("heldout_nll"),
-                "train_loss_first": history[0]["loss"], "train_loss_last": history[-1]["loss"],
-                "seconds": round(train_seconds, 1)},
-        "eval": {"decoding": "greedy", "max_tokens": options.max_tokens,
-                 "max_turns": options.max_turns, "base": base, "sft": after},
-        "total_seconds": round(time.perf_counter() - started, 1),
-        "load_average_start": load_before, "load_average_end": os.getloadavg(),
-        "torch_threads": 1,
-    }
     out = Path(options.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    _plot([row["loss"] for row in history], out.with_suffix(".png"))
-    print(json.dumps(result["eval"] | {"nll": [result["sft"]["heldout_nll_before"],
-                                               result["sft"]["heldout_nll_after"]]}))
+    for name in [n for n in SECTIONS if n in (options.only or SECTIONS)]:
+        uptime_start, started = os.getloadavg(), time.perf_counter()
+        section = SECTIONS[name](options, work)
+        section |= {"bench_command": " ".join(["python", *sys.argv]),
+                    "total_seconds": round(time.perf_counter() - started, 1),
+                    "load_average_start": [round(x, 2) for x in uptime_start],
+                    "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+        # Read just before writing: the other sections' figures stay as they were measured.
+        results = json.loads(out.read_text()) if out.is_file() else {}
+        results |= {"env_id": ENV_ID, "torch_threads": 1, name: section, "split": {
+            "train_tasks": 56, "heldout_tasks": 18,
+            "rule": "Search-v0 split=train / split=test: the split field of search_qa.jsonl "
+                    "(question i held out when i % 4 == 3)"}}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        print(name, json.dumps(section.get("eval")))
+    _plot(work, out.with_suffix(".png"))
     return 0
 
 
-def _plot(losses: list[float], path: Path) -> None:
+def _plot(work: Path, path: Path) -> None:
+    """One panel per section that has run: SFT's train and held-out NLL, GRPO's reward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(5, 3))
-    axis.plot(range(1, len(losses) + 1), losses, marker="o", markersize=3)
-    axis.set_xlabel("SFT step")
-    axis.set_ylabel("train NLL per demonstrated token")
-    axis.set_title(f"SFT on {ENV_ID} oracle demonstrations")
+    runs = {name: read_metrics(work / name / "metrics.jsonl") for name in SECTIONS
+            if (work / name / "metrics.jsonl").is_file()}
+    if not runs:
+        return
+    figure, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.2), squeeze=False)
+    for axis, (name, rows) in zip(axes[0], runs.items(), strict=True):
+        if name == "sft":
+            axis.plot([r["step"] + 1 for r in rows], [r["loss"] for r in rows],
+                      label="train NLL / token")
+            held = [(r["step"] + 1, r["heldout_nll"]) for r in rows if "heldout_nll" in r]
+            if rows and "heldout_nll_before" in rows[0]:
+                held.insert(0, (0, rows[0]["heldout_nll_before"]))
+            axis.plot(*zip(*held, strict=True), marker="o", label="held-out NLL / token")
+            axis.set_ylabel("NLL per demonstrated token")
+        else:
+            axis.plot([r["step"] + 1 for r in rows], [r["reward_mean"] for r in rows],
+                      marker="o", label="reward (train split)")
+            axis.plot([r["step"] + 1 for r in rows], [r["degenerate_rate"] for r in rows],
+                      linestyle="--", label="degenerate-group rate")
+            axis.set_ylim(-0.05, 1.05)
+        axis.set_xlabel(f"{name.upper()} step")
+        axis.set_title(f"{name.upper()} on {ENV_ID}", fontsize=10)
+        axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -9,3 +9,13 @@ def test_readme_example_runs() -> None:
     blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
     assert blocks, "the README should show the env contract in a python example"
     exec(compile(blocks[0], "README.md", "exec"), {})
+
+
+def test_make_run_is_the_documented_demo_and_the_eval_suite_stays_documented() -> None:
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    makefile = (root / "Makefile").read_text(encoding="utf-8")
+    run = re.search(r"^run: setup\n\t\$\(BIN\)/(agent-gym [^\n]+)", makefile, flags=re.M)
+    assert run is not None and run.group(1) == "agent-gym train demo --out runs/demo"
+    assert f"`make run` is `{run.group(1)}`" in readme
+    assert "agent-gym eval --suite default --max-tokens 160 --out runs/eval-default" in readme

@@ -20,6 +20,8 @@ COMMANDS = {
     "tempo": ("TEMPO", "trainers.tempo"),
     "sft": ("SFT on demonstrations", "trainers.sft"),
     "opd": ("on-policy distillation", "trainers.opd"),
+    "demo": ("evaluate, fine-tune and re-evaluate the embedded model on held-out tasks "
+             "(what `make run` does)", "trainers.demo"),
     "plot": ("plot a training run's metrics to RUN_DIR/metrics.png", "trainers.plot"),
 }
 

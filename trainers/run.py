@@ -106,6 +106,8 @@ class TrainingClient(Protocol):
         self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
     ) -> APIFuture[SaveWeightsResponse]: ...
 
+    def load_state(self, path: str) -> APIFuture[Any]: ...
+
     def save_weights_and_get_sampling_client(self) -> Sampler: ...
 
 
@@ -221,6 +223,10 @@ class RunArgs:
         "smollm2", "local: smollm2 (the embedded SmolLM2-135M-Instruct), tiny (a random "
         "two-layer model for smoke runs) or a Hugging Face directory; pytrio: a model id")
     lora_rank: int = option(32, "LoRA rank; 0 trains every weight (local backend only)")
+    init_from: str | None = option(
+        None, "start from the weights of another run's checkpoint (its run directory, its "
+        "checkpoint.json or a backend checkpoint path) with a fresh optimizer; --model and "
+        "--lora-rank must be that run's (default: the base model)")
     api_key: str | None = option(None, "PyTRIO API key (default: $PYTRIO_API_KEY)")
     ray: str | None = option(
         None, "step the envs in Ray actors: a bare --ray starts a local Ray, ADDRESS joins a "
@@ -259,6 +265,9 @@ class RunArgs:
     save_every: int = option(5, "checkpoint every N steps (and at the end)")
     out: str = option("runs/run", OUT_HELP)
     progress: bool = option(True, "show a progress bar")
+    preset: str | None = option(
+        None, "a named set of option values (see trainers.run.PRESETS; cpu-demo: steps "
+        "sized for a 2-core CPU); options you give override it")
 
     # Defaults that depend on where the model runs: (on a CPU, elsewhere). On a CPU a step of
     # the GPU-scale settings takes most of an hour (trainers.backends.runtime.step_cost).
@@ -270,7 +279,7 @@ class RunArgs:
     LOSSES: ClassVar[tuple[str, ...]] = LOSSES
     # What a run is: a continued run may change anything else (it is reported), not these.
     IDENTITY: ClassVar[tuple[str, ...]] = ("env_id", "env_kwargs", "model", "lora_rank",
-                                            "backend")
+                                            "backend", "init_from")
 
     def problems(self) -> list[str]:
         """What is wrong with these arguments (empty: nothing); trainers extend the list."""
@@ -324,6 +333,40 @@ def device_defaults(args: A) -> A:
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
     return args
+
+
+# --------------------------------------------------------------------- presets
+# ``--preset NAME`` of each trainer: option values applied before the ones given on the
+# command line (which win). One table per trainer, all here, so they can be compared.
+# cpu-demo: a step well under a minute on 2 shared cores with SmolLM2-135M and one torch
+# thread (measured per trainer in the README), against the GPU-scale defaults (GRPO: 8 tasks
+# x 8 branches x 512 tokens; TEMPO: H=10, N=4, K=4, 512-token critic replies).
+PRESETS: dict[str, dict[str, dict[str, object]]] = {
+    "sft": {"cpu-demo": {"batch_size": 4, "epochs": 1, "learning_rate": 1e-3,
+                         "max_trajectory_tokens": 1024}},
+    "grpo": {"cpu-demo": {"batch_size": 2, "group_size": 4, "max_tokens": 48,
+                          "max_turns": 4}},
+    "opd": {"cpu-demo": {"batch_size": 2, "group_size": 2, "max_tokens": 48,
+                         "max_turns": 4}},
+    "tempo": {"cpu-demo": {"batch_size": 2, "horizon": 2, "branches": 2, "critic_samples": 2,
+                           "endpoint_samples": 1, "max_tokens": 32, "critic_max_tokens": 8,
+                           "max_turns": 6}},
+}
+
+
+def trainer_presets(args_type: type[RunArgs]) -> dict[str, dict[str, object]]:
+    """The presets of the trainer whose ``Args`` this is (``trainers.NAME``: ``PRESETS[NAME]``)."""
+    return PRESETS.get(args_type.__module__.rpartition(".")[2], {})
+
+
+def with_preset(args_type: type[A], preset: str, **given: Any) -> A:
+    """A trainer's arguments from a preset and the values ``given`` over it (what
+    ``--preset NAME --option value`` parses to), for callers that build ``Args`` in code."""
+    presets = trainer_presets(args_type)
+    if preset not in presets:
+        raise RunConfigError(f"unknown preset {preset!r} for {args_type.__module__}; known: "
+                             f"{', '.join(presets) or 'none'}")
+    return args_type(**{**presets[preset], **given, "preset": preset})
 
 
 class RunConfigError(ValueError):
@@ -380,9 +423,15 @@ def parse_args(args_type: type[A], argv: Sequence[str] | None, prog: str, descri
     change of what the run is (``IDENTITY``) is refused.
     """
     parser = options_parser(args_type, prog, description)
-    args = args_type(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
     given = vars(options_parser(args_type, prog, description, explicit_only=True)
                  .parse_args(argv))
+    if values["preset"] is not None:
+        presets = trainer_presets(args_type)
+        if values["preset"] not in presets:
+            parser.error(f"--preset must be one of {sorted(presets)}")
+        values |= {k: v for k, v in presets[values["preset"]].items() if k not in given}
+    args = args_type(**values)
     checkpoint = Path(args.out) / CHECKPOINT_FILE
     if checkpoint.is_file():
         saved = Checkpoint.read(checkpoint)
@@ -470,12 +519,31 @@ def _training_client(
                 )
         return service.create_training_client_from_state_with_optimizer(saved.path), saved
     if args.lora_rank > 0:
-        return service.create_lora_training_client(
-            args.model, rank=args.lora_rank, seed=args.seed
-        ), None
-    if not isinstance(service, FullFineTuning):
+        training = service.create_lora_training_client(
+            args.model, rank=args.lora_rank, seed=args.seed)
+    elif isinstance(service, FullFineTuning):
+        training = service.create_full_training_client(args.model, seed=args.seed)
+    else:
         raise RunConfigError(f"the {args.backend} backend trains LoRA adapters only")
-    return service.create_full_training_client(args.model, seed=args.seed), None
+    if args.init_from is not None:
+        path = checkpoint_path(args.init_from)
+        try:  # weights only: the backend refuses a checkpoint of another model or rank
+            training.load_state(path).result()
+        except (ValueError, OSError) as err:
+            raise RunConfigError(f"--init-from {args.init_from}: {err}") from err
+    return training, None
+
+
+def checkpoint_path(spec: str) -> str:
+    """The backend path ``--init-from`` names: a run directory or its ``checkpoint.json``
+    stands for the run's latest checkpoint; anything else is a backend path already."""
+    local = Path(spec)
+    record = local / CHECKPOINT_FILE if local.is_dir() else local
+    if record.name == CHECKPOINT_FILE and record.is_file():
+        return Checkpoint.read(record).path
+    if local.is_dir() and not any(local.iterdir()):
+        raise RunConfigError(f"--init-from {spec}: an empty directory, not a run or checkpoint")
+    return spec
 
 
 # --------------------------------------------------------------------- a run

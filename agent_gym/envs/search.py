@@ -44,6 +44,9 @@ HUB_NAME = "RUC-NLPIR/FlashRAG_datasets"
 # the rest of the line from every position (quadratic on a line of spaces).
 _ANSWER_LINE = re.compile(r"^[ \t*#]*(?:final[ \t]+)?answer[ \t]*:(.*)$", re.I | re.M)
 MAX_QUERY_CHARS = 500
+# The splits a local data set names in its rows' ``split`` field, and the whole set.
+SPLITS = ("train", "test")
+ALL = "all"
 
 
 class SearchEnv(OutcomeEnv):
@@ -76,8 +79,17 @@ class SearchEnv(OutcomeEnv):
         data_path: a JSONL/parquet file with ``question`` and ``golden_answers`` (FlashRAG),
             ``answers`` or ``answer``; overrides ``dataset``.
         dataset: ``"bundled"`` (the original set, answerable from the bundled corpus), or
-            ``"nq"`` / ``"hotpotqa"`` from the hub (FlashRAG's copies, as Search-R1 uses),
-            split ``split`` (default test / dev). Pair those with a Wikipedia-scale backend.
+            ``"nq"`` / ``"hotpotqa"`` from the hub (FlashRAG's copies, as Search-R1 uses).
+            Pair those with a Wikipedia-scale backend.
+        split: for the bundled set and ``data_path`` files, ``"train"`` or ``"test"`` keeps
+            the records whose own ``split`` field says so, ``"all"`` (the default) keeps
+            every record. The bundled set holds its split in its data: 56 train and 18 test
+            questions, every fourth held out (``agent_gym.search.world``), so each question
+            template is on both sides and a model trained on ``train`` meets only unseen
+            entities on ``test``. The default is ``all`` so that task indices, seeds and
+            every figure measured before the split existed stay what they were; train on
+            ``split="train"`` and measure on ``split="test"``. For ``nq`` / ``hotpotqa`` it
+            is the hub split (default test / dev).
         backend: ``"bm25"`` (local index), ``"http"`` (a Search-R1 ``/retrieve`` server at
             ``url``) or ``"wikipedia"`` (MediaWiki API at ``url``, default en.wikipedia).
         corpus, index_dir: for ``bm25``: a JSONL corpus indexed lazily into the cache dir
@@ -275,17 +287,16 @@ def _open_cache(setting: str, backend: str) -> ResponseCache:
 
 
 def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[Task]:
-    if data_path is not None:
-        records, source = data.load_records(data_path), data_path
-    elif dataset in HUB_SETS:
+    if data_path is None and dataset in HUB_SETS:
         config, default_split = HUB_SETS[dataset]
         records = data.load_hub(HUB_NAME, config, split or default_split)
         source = f"{HUB_NAME}/{config}"
-    elif dataset == "bundled":
-        if split is not None:
-            raise data.DataError("the bundled set has a single split; pass dataset='nq' or "
-                                 "'hotpotqa' to choose a split")
-        records, source = data.bundled("search_qa"), "bundled search_qa"
+    elif data_path is not None or dataset == "bundled":
+        if data_path is not None:
+            records, source = data.load_records(data_path), data_path
+        else:
+            records, source = data.bundled("search_qa"), "bundled search_qa"
+        records = _in_split(records, split or ALL, source)
     else:
         raise data.DataError(f"dataset must be 'bundled', 'nq' or 'hotpotqa', got {dataset!r}")
     data.require_fields(records, ("question",), source)
@@ -305,6 +316,22 @@ def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[T
             "oracle_queries": [str(q) for q in record.get("oracle_queries") or []],
         }))
     return tasks
+
+
+def _in_split(records: list[dict[str, Any]], split: str, source: str) -> list[dict[str, Any]]:
+    """The records of ``split`` by their own ``split`` field (``all``: every record, in
+    file order, whether or not they carry one)."""
+    if split == ALL:
+        return records
+    if split not in SPLITS:
+        raise data.DataError(f"split must be one of {(*SPLITS, ALL)} for {source}, got {split!r}")
+    if any("split" not in record for record in records):
+        raise data.DataError(f"{source} has no 'split' field on every record: only "
+                             "split='all' can read it")
+    chosen = [record for record in records if record["split"] == split]
+    if not chosen:
+        raise data.DataError(f"{source} has no record in split {split!r}")
+    return chosen
 
 
 def _golds(record: dict[str, Any]) -> list[str]:

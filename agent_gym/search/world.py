@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SEED = 20261130
+HELD_OUT_EVERY = 4  # question i is in the test split when i % 4 == 3
 
 _PROVINCES = ["Vellmark", "Ostrenne", "Dunhallow", "Marrowfield", "Kestria", "Lowenmoor",
               "Sarnholm", "Wyndale"]
@@ -367,10 +368,15 @@ def _questions(
     qa: list[dict[str, object]] = []
 
     def ask(question: str, answer: str | int, keys: list[str]) -> None:
-        """`oracle_queries` (the supporting passages' titles) script the oracle baseline."""
-        qa.append({"id": f"q{len(qa):03d}", "question": question, "answers": [str(answer)],
+        """`oracle_queries` (the supporting passages' titles) script the oracle baseline.
+        `split`: every fourth question is held out (``test``); questions come template by
+        template, so each template has questions on both sides and a model that learns on
+        ``train`` is scored on the same procedures over entities it never trained on."""
+        index = len(qa)
+        qa.append({"id": f"q{index:03d}", "question": question, "answers": [str(answer)],
                    "hops": len(keys), "supporting": [ids[k] for k in keys],
-                   "oracle_queries": [titles[k] for k in keys]})
+                   "oracle_queries": [titles[k] for k in keys],
+                   "split": "test" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"})
 
     towns = sorted(w.towns.values(), key=lambda t: t.name)
     people = sorted(w.people.values(), key=lambda p: p.name)

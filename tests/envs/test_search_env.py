@@ -305,8 +305,8 @@ def test_local_data_layouts(tmp_path: Path) -> None:
         gymnasium.make(ENV, data_path=str(path))
     with pytest.raises(DataError, match="dataset must be"):
         gymnasium.make(ENV, dataset="squad")
-    with pytest.raises(DataError, match="single split"):
-        gymnasium.make(ENV, split="train")
+    with pytest.raises(DataError, match="no 'split' field"):
+        gymnasium.make(ENV, data_path=str(tmp_path / "qa.jsonl"), split="test")
     with pytest.raises(ValueError, match="protocol"):
         gymnasium.make(ENV, protocol="json")
 
@@ -407,3 +407,36 @@ def test_only_a_local_index_with_a_memory_cache_steps_in_process(tmp_path: Path)
     assert not gymnasium.make(ENV, cache=str(tmp_path / "cache.sqlite")).unwrapped.steps_in_process
     assert not gymnasium.make(ENV, backend="http", url=refused_url(),
                               cache="off").unwrapped.steps_in_process
+
+
+def test_the_bundled_split_is_in_the_data_and_every_fourth_question_is_held_out() -> None:
+    """``split`` reads the rows' own field: train and test partition ``all`` (the default,
+    today's task order), with question i held out when i % 4 == 3."""
+    every = [t.task_id for t in gymnasium.make(ENV).unwrapped.tasks]
+    assert every == [t.task_id for t in gymnasium.make(ENV, split="all").unwrapped.tasks]
+    train = [t.task_id for t in gymnasium.make(ENV, split="train").unwrapped.tasks]
+    test = [t.task_id for t in gymnasium.make(ENV, split="test").unwrapped.tasks]
+    assert (len(every), len(train), len(test)) == (74, 56, 18)
+    assert test == [task for i, task in enumerate(every) if i % 4 == 3]
+    assert train == [task for i, task in enumerate(every) if i % 4 != 3]
+    assert all(row["split"] in ("train", "test") for row in bundled("search_qa"))
+    env = gymnasium.make(ENV, split="test")
+    _, info = env.reset(options={"index": 0})
+    assert info["task_id"] == test[0]
+    for action in info["privileged"]["oracle_actions"]:  # the oracle still solves it
+        _, reward, terminated, _, _ = env.step(action)
+    assert terminated and reward == 1.0
+    with pytest.raises(DataError, match="split must be one of"):
+        gymnasium.make(ENV, split="valid")
+
+
+def test_a_local_file_can_carry_its_own_split(tmp_path: Path) -> None:
+    path = tmp_path / "qa.jsonl"
+    rows = [{"id": "a", "question": "Q1?", "answer": "x", "split": "train"},
+            {"id": "b", "question": "Q2?", "answer": "y", "split": "test"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [t.task_id for t in gymnasium.make(ENV, data_path=str(path), split="test")
+            .unwrapped.tasks] == ["b"]
+    path.write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(DataError, match="no record in split 'test'"):
+        gymnasium.make(ENV, data_path=str(path), split="test")

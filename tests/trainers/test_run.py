@@ -234,3 +234,47 @@ def test_defaults_follow_the_device_and_gpu_scale_settings_on_a_cpu_are_warned(
     assert (asked.batch_size, asked.group_size, asked.max_tokens) == (8, 8, 512)
     warning = capsys.readouterr().err
     assert "GPU-scale" in warning and "min" in warning and "--batch-size 2" in warning
+
+
+def test_a_run_can_start_from_another_runs_weights_with_a_fresh_optimizer(
+    model: str, tmp_path: Path
+) -> None:
+    import torch
+
+    with open_run(toy(model, tmp_path / "first"), 1) as first:
+        for parameter in first.training.model.parameters():  # weights no fresh run has
+            parameter.data.add_(0.5)
+        first.finish(0, {"step": 0})
+        trained = [p.detach().clone() for p in first.training.model.parameters()]
+    for spec in (tmp_path / "first", tmp_path / "first" / CHECKPOINT_FILE,
+                 Path(Checkpoint.read(tmp_path / "first" / CHECKPOINT_FILE).path)):
+        with open_run(toy(model, tmp_path / "second", init_from=str(spec)), 1) as second:
+            assert second.resumed is None and second.start == 0
+            assert all(torch.equal(a, b) for a, b in zip(
+                trained, second.training.model.parameters(), strict=True))
+            assert second.training._optimizer is None  # built fresh on the first step
+    with pytest.raises(RunConfigError, match=r"--init-from .*incompatible: lora_rank"):
+        open_run(toy(model, tmp_path / "third", lora_rank=4,
+                     init_from=str(tmp_path / "first")), 1)
+    with pytest.raises(RunConfigError, match=r"--init-from .*not a local checkpoint"):
+        open_run(toy(model, tmp_path / "fourth", init_from=str(tmp_path)), 1)
+
+
+def test_a_preset_fills_only_the_options_the_command_line_leaves_out() -> None:
+    from trainers import grpo, opd, sft, tempo
+    from trainers.run import PRESETS, with_preset
+
+    for name, module in (("sft", sft), ("grpo", grpo), ("opd", opd), ("tempo", tempo)):
+        fields = {spec.name for spec in dataclasses.fields(module.Args)}
+        assert set(PRESETS[name]["cpu-demo"]) <= fields, name
+        preset = module.parse_args(["--preset", "cpu-demo"])
+        assert all(getattr(preset, k) == v for k, v in PRESETS[name]["cpu-demo"].items())
+        assert preset.preset == "cpu-demo"
+    demo = grpo.parse_args(["--preset", "cpu-demo", "--group-size", "8", "--max-tokens", "64"])
+    assert (demo.batch_size, demo.group_size, demo.max_tokens) == (2, 8, 64)
+    assert grpo.parse_args([]).group_size is None  # no preset: the device defaults later
+    assert with_preset(grpo.Args, "cpu-demo", group_size=8, max_tokens=64) == demo
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--preset", "gpu-huge"])
+    with pytest.raises(RunConfigError, match="unknown preset"):
+        with_preset(sft.Args, "gpu-huge")
