@@ -93,6 +93,9 @@ class TrainingSetup:
         ]
 
 
+CPU_MICROBATCH_TOKENS = 1024
+
+
 class LocalServiceClient:
     """Creates local training and sampling clients.
 
@@ -100,7 +103,10 @@ class LocalServiceClient:
         checkpoint_dir: where ``save_state``/``save_weights_for_sampler`` write; each
             training client gets its own sub-directory. Default: ``<cache>/checkpoints``.
         microbatch_tokens: padded tokens per forward pass inside one ``forward_backward``
-            (bounds memory; the gradient does not depend on it).
+            (bounds memory; the gradient does not depend on it). ``None``: 1024 on CPU,
+            where the saved activations of SmolLM2-135M cost about 1.2 MB a token and a
+            4096-token pass peaked at 11.4 GB against 5.2 GB at 1024 for the same CPU time
+            (8 datums x 500 tokens, LoRA r32); 4096 on an accelerator.
         device: ``auto`` (CUDA, then MPS, else CPU) | ``cpu`` | ``cuda[:N]`` | ``mps``.
         threads: torch intra-op threads for this process; ``None`` = the thread policy's
             default (``runtime.default_threads``: free cores, or ``$AGENT_GYM_THREADS``).
@@ -113,7 +119,7 @@ class LocalServiceClient:
     def __init__(
         self,
         checkpoint_dir: str | Path | None = None,
-        microbatch_tokens: int = 4096,
+        microbatch_tokens: int | None = None,
         *,
         device: str | torch.device = "auto",
         threads: int | None = None,
@@ -122,8 +128,10 @@ class LocalServiceClient:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir or cache_dir() / "checkpoints")
-        self.microbatch_tokens = microbatch_tokens
         self.device = resolve_device(device)
+        if microbatch_tokens is None:
+            microbatch_tokens = CPU_MICROBATCH_TOKENS if self.device.type == "cpu" else 4096
+        self.microbatch_tokens = microbatch_tokens
         self.threads = apply_threads(threads)
         if logit_chunk < 1:
             raise ValueError(f"logit_chunk must be at least 1, got {logit_chunk}")
