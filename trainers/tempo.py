@@ -285,8 +285,9 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
     ))
     datums, metrics = critic_update(samples, [returns[i] for i in chosen], args.r_max)
     metrics |= rollout_metrics(episodes)
-    metrics |= {"warmup/boundary_states": len(points), "critic/parse_failure_rate":
-                _failure_rate([s for group in samples for s in group])}
+    flat = [s for group in samples for s in group]
+    metrics |= {"warmup/boundary_states": len(points), "critic/samples": len(flat),
+                "critic/parse_failure_rate": _failure_rate(flat)}
     return Batch(datums, metrics, states)
 
 
@@ -372,6 +373,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     metrics |= rollout_metrics(episodes)
     metrics |= {
         "critic/parse_failure_rate": _failure_rate(all_samples),
+        "critic/samples": len(all_samples),
         "actor/value_gap_zero_reward": value_gap_zero_reward(paid),
         "actor/degenerate_group_rate": degenerate / len(groups),
         "actor/return_mean": float(np.mean(targets)),
