@@ -24,6 +24,21 @@ Wilson interval, and the held-out demonstrations' NLL per token before and after
 Measured here (one torch thread, 2 cores shared, load 2-10): base 0/18 [0.00, 0.18];
 after 2 epochs (28 steps) 4/18 [0.09, 0.45], held-out NLL 2.14 -> 0.14; continued to 4
 epochs (56 steps) 14/18 [0.55, 0.91], NLL 0.04 (9/10 one-hop, 5/7 two-hop, 0/1 three-hop).
+
+OPD (``--only opd``): the SFT checkpoint (``--sft-checkpoint``, trained on the train split)
+teaches the base model by on-policy distillation on the train split: the student samples,
+the teacher scores the student's tokens, A_t = -(log pi_student - log pi_teacher) (no env
+reward). Measured: ``reverse_kl_mean`` averaged over the first and last ``--opd-edge`` steps,
+and greedy held-out success of base, student and teacher (same eval as above, with 95%
+Wilson intervals). Writes the ``opd`` key of ``--out`` and ``learning-opd.png``.
+
+TEMPO (``--only tempo``): TEMPO from the SFT checkpoint (its outcomes vary, so a constant
+value is not perfect) on the train split, horizon 1: critic warm-up on Monte Carlo returns,
+then TD updates. Measured after the warm-up: the critic's parse rate over all its samples
+and its absolute error against the best constant in hindsight (per update, the median of
+the targets) on the same parsed samples. Writes the ``tempo`` key and ``learning-tempo.png``.
+Both sections record the load average next to their figures; see the ``measured`` notes
+in ``learning.json``.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -227,10 +243,13 @@ def run_opd(options: argparse.Namespace, work: Path) -> int:
     train_seconds = time.perf_counter() - started
     load_trained = _load()
     student = json.loads((work / "opd" / "checkpoint.json").read_text())["path"]
-    evals = {"base": evaluate("local:smollm2", test_path, work / "eval-opd-base", options),
-             "opd": evaluate(f"local:smollm2@{student}", test_path, work / "eval-opd", options),
-             "teacher": evaluate(f"local:smollm2@{teacher}", test_path, work / "eval-teacher",
-                                 options)}
+    policies = {"base": "local:smollm2", "opd": f"local:smollm2@{student}",
+                "teacher": f"local:smollm2@{teacher}"}
+    # three eval processes at once: each runs one torch thread, the CPU is shared anyway
+    with ThreadPoolExecutor(len(policies)) as pool:
+        running = {name: pool.submit(evaluate, policy, test_path, work / f"eval-opd-{name}",
+                                     options) for name, policy in policies.items()}
+        evals = {name: future.result() for name, future in running.items()}
     kl = [row["reverse_kl_mean"] for row in history if row["reverse_kl_mean"] is not None]
     edge = min(options.opd_edge, len(kl) // 2) or 1
     section = {
