@@ -238,18 +238,21 @@ def run_opd(options: argparse.Namespace, work: Path) -> int:
                    group_size=options.opd_group_size, max_tokens=options.max_tokens,
                    learning_rate=options.opd_learning_rate, threads=1,
                    save_every=options.opd_steps, out=str(work / "opd"), progress=False)
-    started = time.perf_counter()
-    history = opd_train(args)
-    train_seconds = time.perf_counter() - started
-    load_trained = _load()
-    student = json.loads((work / "opd" / "checkpoint.json").read_text())["path"]
-    policies = {"base": "local:smollm2", "opd": f"local:smollm2@{student}",
-                "teacher": f"local:smollm2@{teacher}"}
-    # three eval processes at once: each runs one torch thread, the CPU is shared anyway
-    with ThreadPoolExecutor(len(policies)) as pool:
+    # base and teacher are evaluated while the student trains (eval processes of one torch
+    # thread each; the CPU is shared anyway), the student after
+    with ThreadPoolExecutor(2) as pool:
         running = {name: pool.submit(evaluate, policy, test_path, work / f"eval-opd-{name}",
-                                     options) for name, policy in policies.items()}
-        evals = {name: future.result() for name, future in running.items()}
+                                     options)
+                   for name, policy in (("base", "local:smollm2"),
+                                        ("teacher", f"local:smollm2@{teacher}"))}
+        started = time.perf_counter()
+        history = opd_train(args)
+        train_seconds = time.perf_counter() - started
+        load_trained = _load()
+        student = json.loads((work / "opd" / "checkpoint.json").read_text())["path"]
+        done = evaluate(f"local:smollm2@{student}", test_path, work / "eval-opd-opd", options)
+        evals = {"base": running["base"].result(), "opd": done,
+                 "teacher": running["teacher"].result()}
     kl = [row["reverse_kl_mean"] for row in history if row["reverse_kl_mean"] is not None]
     edge = min(options.opd_edge, len(kl) // 2) or 1
     section = {
