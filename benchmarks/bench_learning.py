@@ -37,8 +37,15 @@ value is not perfect) on the train split, horizon 1: critic warm-up on Monte Car
 then TD updates. Measured after the warm-up: the critic's parse rate over all its samples
 and its absolute error against the best constant in hindsight (per update, the median of
 the targets) on the same parsed samples. Writes the ``tempo`` key and ``learning-tempo.png``.
-Both sections record the load average next to their figures; see the ``measured`` notes
-in ``learning.json``.
+Both sections record the load average next to their figures.
+
+Measured here (one torch thread, 2 cores shared, load 8-35), TEMPO from the 2-epoch SFT
+checkpoint (step 28), 3 warm-up + 4 TD updates, horizon 1, 2 tasks x 2 branches, K=4:
+warm-up found 14 boundary states; after warm-up the critic parsed 53/54 samples (98%),
+but its absolute error was 0.078 against 0.031 for the best constant on the same 32
+parsed samples (8 states): not below it. The outcomes barely varied (train reward 0.06 on
+average), so the constant was nearly right. OPD: not measured here; a step took 2-10
+minutes under that load (see the closing note of the branch).
 """
 
 from __future__ import annotations
