@@ -2,6 +2,7 @@
 
     python benchmarks/bench_learning.py                 # every section, in order
     python benchmarks/bench_learning.py --only grpo     # one section (its inputs must exist)
+    python benchmarks/bench_learning.py --only opd --sft-checkpoint PATH
 
 Env: Search-v0 on its bundled corpus. Why this one: its oracle episodes are short (2 to 4
 replies of 10 to 30 tokens, about 350 tokens in all, against ~900 for an ALFWorld game and
@@ -25,6 +26,16 @@ Sections (``--only``), each merged into ``--out`` under its name, so one can be 
   ``make run`` trains): sampled at temperature 1 it solves some train tasks and not
   others, so groups can differ; a group of 4 that all succeed or all fail is degenerate
   and trains nothing, and those are counted.
+- ``opd``: on-policy distillation of an SFT checkpoint (``--sft-checkpoint``, else the
+  ``sft`` section's) into the base model on the train split: the student samples, the
+  teacher scores the student's tokens, A_t = -(log pi_student - log pi_teacher), no env
+  reward. ``reverse_kl_mean`` averaged over the first and last ``--opd-edge`` steps, and
+  greedy held-out success of base, student and teacher. Also ``learning-opd.png``.
+- ``tempo``: TEMPO from the SFT checkpoint (its outcomes vary, so a constant value is not
+  perfect) on the train split, horizon 1: critic warm-up on Monte Carlo returns, then TD
+  updates. After the warm-up: the critic's parse rate over all its samples and its
+  absolute error against the best constant in hindsight (per update, the median of the
+  targets) on the same parsed samples. Also ``learning-tempo.png``.
 
 SFT here is one epoch at learning rate 1e-3 by default (``--preset cpu-demo``'s, what
 ``make run`` trains); the earlier measurement of 4 epochs at 2e-4 (0/18 -> 14/18 held
@@ -37,6 +48,11 @@ Measured (2 cores shared by 8 sessions, one torch thread, load 1.4-33): base 0/1
 2.03 -> 0.076. GRPO from that checkpoint: 7 of 20 groups non-degenerate in 10 steps,
 reward 4/24 [0.07, 0.36] in steps 0-2 -> 9/24 [0.21, 0.57] in steps 7-9; killed by the
 OOM killer in step 10 (the results file says which figures came from which run).
+TEMPO from a 2-epoch SFT checkpoint, 3 warm-up + 4 TD updates: 14 boundary states; after
+warm-up the critic parsed 53/54 samples (98%) but its absolute error was 0.078 against
+0.031 for the best constant (outcomes barely varied: mean target 0.06). OPD from the same
+checkpoint (teacher 9/18 held out) into the base model, 16 steps at lr 1e-3:
+reverse_kl_mean 0.71 -> 0.75 (not lowered), held-out student 0/18.
 """
 
 from __future__ import annotations
@@ -49,6 +65,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +74,11 @@ sys.path.insert(0, str(ROOT))
 
 from agent_gym.eval import wilson_interval  # noqa: E402
 from trainers import grpo, sft  # noqa: E402
+from trainers.opd import Args as OpdArgs  # noqa: E402
+from trainers.opd import train as opd_train  # noqa: E402
 from trainers.run import read_metrics  # noqa: E402
+from trainers.tempo import Args as TempoArgs  # noqa: E402
+from trainers.tempo import train as tempo_train  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN, TEST = {"split": "train"}, {"split": "test"}
@@ -179,8 +200,241 @@ def section_grpo(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
 
 
+def needs_checkpoint(options: argparse.Namespace, work: Path, role: str) -> str:
+    """``--sft-checkpoint``, else the checkpoint the ``sft`` section left in ``work``."""
+    if options.sft_checkpoint:
+        return str(options.sft_checkpoint)
+    made = work / "sft" / "checkpoint.json"
+    if not made.is_file():
+        sys.exit(f"bench_learning: {role} is an SFT checkpoint: run the sft section first "
+                 "or pass --sft-checkpoint PATH")
+    return str(json.loads(made.read_text())["path"])
+
+
+def _load() -> dict[str, Any]:
+    return {"load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+            "torch_threads": 1}
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+# --------------------------------------------------------------------- OPD (--only opd)
+def add_opd_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--only opd / --only tempo")
+    group.add_argument("--sft-checkpoint", default=None,
+                       help="an SFT checkpoint on the train split: OPD's teacher, TEMPO's "
+                            "starting policy")
+    group.add_argument("--sft-command", default=None,
+                       help="the command that made --sft-checkpoint, recorded with the figures")
+    group.add_argument("--opd-steps", type=int, default=16)
+    group.add_argument("--opd-batch-size", type=int, default=2, help="tasks per OPD step")
+    group.add_argument("--opd-group-size", type=int, default=2, help="episodes per task")
+    group.add_argument("--opd-learning-rate", type=float, default=5e-4)
+    group.add_argument("--opd-edge", type=int, default=3,
+                       help="steps averaged at each end of the run for the KL ratio")
+
+
+def section_opd(options: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """On-policy distillation of the SFT checkpoint (teacher) into the base model (student)
+    on the train split, then greedy held-out success of base, student and teacher.
+
+    ``reverse_kl_mean`` is the per-token sample of KL(student || teacher) on the student's
+    own episodes of each step; the first and last ``--opd-edge`` steps are averaged so one
+    lucky step does not make the figure.
+    """
+    teacher = needs_checkpoint(options, work, "the teacher")
+    load_start = _load()
+    args = OpdArgs(env_id=ENV_ID, env_kwargs={**TRAIN, "max_turns": options.max_turns},
+                   teacher=f"local:smollm2@{teacher}", privileged=False,
+                   steps=options.opd_steps, batch_size=options.opd_batch_size,
+                   group_size=options.opd_group_size, max_tokens=options.max_tokens,
+                   learning_rate=options.opd_learning_rate, threads=1,
+                   save_every=options.opd_steps, out=str(work / "opd"), progress=False)
+    # base and teacher are evaluated while the student trains (eval processes of one torch
+    # thread each; the CPU is shared anyway), the student after
+    with ThreadPoolExecutor(2) as pool:
+        running = {name: pool.submit(evaluate, policy, work / f"eval-opd-{name}", options)
+                   for name, policy in (("base", "local:smollm2"),
+                                        ("teacher", f"local:smollm2@{teacher}"))}
+        started = time.perf_counter()
+        history = opd_train(args)
+        train_seconds = time.perf_counter() - started
+        load_trained = _load()
+        student = json.loads((work / "opd" / "checkpoint.json").read_text())["path"]
+        done = evaluate(f"local:smollm2@{student}", work / "eval-opd-opd", options)
+        evals = {"base": running["base"].result(), "opd": done,
+                 "teacher": running["teacher"].result()}
+    kl = [row["reverse_kl_mean"] for row in history if row["reverse_kl_mean"] is not None]
+    edge = min(options.opd_edge, len(kl) // 2) or 1
+    section = {
+        "command": " ".join(["python", *sys.argv]),
+        "teacher": {"checkpoint": teacher, "made_by": options.sft_command},
+        "student": "smollm2 (base), LoRA rank 32",
+        "train_split": "Search-v0 split=train",
+        "settings": {"steps": args.steps, "batch_size": args.batch_size,
+                     "group_size": args.group_size, "max_tokens": args.max_tokens,
+                     "max_turns": options.max_turns, "learning_rate": args.learning_rate,
+                     "kl_coef": args.kl_coef, "reward_coef": args.reward_coef,
+                     "privileged": args.privileged, "temperature": args.temperature},
+        "reverse_kl_per_step": kl,
+        "reverse_kl_first": _mean(kl[:edge]), "reverse_kl_last": _mean(kl[-edge:]),
+        "reverse_kl_last_over_first": _mean(kl[-edge:]) / _mean(kl[:edge]),
+        "averaged_steps_each_end": edge,
+        "episodes_trained": sum(row["episodes"] for row in history),
+        "train_reward_per_step": [row["reward_mean"] for row in history],
+        "turns_mean_per_step": [row["turns_mean"] for row in history],
+        "cut_rate_per_step": [row["cut_rate"] for row in history],
+        "heldout": evals | {"decoding": "greedy", "max_tokens": options.max_tokens,
+                            "max_turns": options.max_turns},
+        "train_seconds": round(train_seconds, 1),
+        "load_start": load_start, "load_after_training": load_trained, "load_end": _load(),
+    }
+    out = Path(options.out)
+    _plot_opd(history, out.with_name(out.stem + "-opd.png"))
+    print(json.dumps({k: section[k] for k in ("reverse_kl_first", "reverse_kl_last",
+                                              "reverse_kl_last_over_first")}
+                     | {name: (e["successes"], e["episodes"], e["success_ci95"])
+                        for name, e in evals.items()}))
+    return section
+
+
+def _plot_opd(history: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] + 1 for row in history]
+    figure, (kl_axis, reward_axis) = plt.subplots(1, 2, figsize=(9, 3))
+    kl_axis.plot(steps, [row["reverse_kl_mean"] for row in history], marker="o", markersize=3)
+    kl_axis.set_xlabel("OPD step")
+    kl_axis.set_ylabel("reverse KL per sampled token")
+    kl_axis.set_title("student (base) vs SFT teacher")
+    reward_axis.plot(steps, [row["reward_mean"] for row in history], marker="o", markersize=3)
+    reward_axis.set_xlabel("OPD step")
+    reward_axis.set_ylabel("train episode reward (not optimised)")
+    figure.suptitle(f"On-policy distillation on {ENV_ID} (train split)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# --------------------------------------------------------------------- TEMPO (--only tempo)
+def add_tempo_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("--only tempo")
+    group.add_argument("--tempo-warmup", type=int, default=3)
+    group.add_argument("--tempo-td", type=int, default=4)
+    group.add_argument("--tempo-batch-size", type=int, default=2)
+    group.add_argument("--tempo-branches", type=int, default=2)
+    group.add_argument("--tempo-critic-samples", type=int, default=4)
+    group.add_argument("--tempo-horizon", type=int, default=1)
+    group.add_argument("--tempo-learning-rate", type=float, default=1e-4)
+
+
+def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """TEMPO from the SFT checkpoint on the train split: critic warm-up on Monte Carlo
+    returns, then TD updates. Measured after the warm-up (the TD updates): the critic's
+    parse rate over every critic sample, and its absolute error against the best constant
+    in hindsight on the same parsed samples (per update, the median of their targets: the
+    constant is re-fitted to each update, which favours it), both pooled over samples."""
+    start = needs_checkpoint(options, work, "the starting policy")
+    load_start = _load()
+    args = TempoArgs(env_id=ENV_ID, env_kwargs={**TRAIN, "max_turns": options.max_turns},
+                     init_from=start,
+                     warmup_updates=options.tempo_warmup, td_updates=options.tempo_td,
+                     batch_size=options.tempo_batch_size, branches=options.tempo_branches,
+                     critic_samples=options.tempo_critic_samples, endpoint_samples=2,
+                     horizon=options.tempo_horizon, fresh_fraction=0.5,
+                     max_tokens=options.max_tokens, max_trajectory_tokens=4096,
+                     learning_rate=options.tempo_learning_rate, threads=1,
+                     save_every=1000, out=str(work / "tempo"), progress=False)
+    started = time.perf_counter()
+    history = tempo_train(args)
+    seconds = time.perf_counter() - started
+
+    def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        samples = sum(row["critic/samples"] for row in rows)
+        failed = sum(row["critic/parse_failure_rate"] * row["critic/samples"]
+                     for row in rows if row["critic/samples"])
+        scored = [row for row in rows if row["critic/parsed"]]
+        parsed = sum(row["critic/parsed"] for row in scored)
+        error = sum(row["critic/abs_error_mean"] * row["critic/parsed"] for row in scored)
+        constant = sum(row["critic/abs_error_constant"] * row["critic/parsed"] for row in scored)
+        return {"updates": len(rows), "critic_samples": samples,
+                "parse_rate": (samples - failed) / samples if samples else None,
+                "trained_samples_parsed": parsed,
+                "abs_error": error / parsed if parsed else None,
+                "abs_error_best_constant": constant / parsed if parsed else None,
+                "states": sum(row["critic/states"] for row in rows),
+                "target_mean": _mean([row["critic/target_mean"] for row in rows
+                                      if row["critic/target_mean"] is not None] or [0.0])}
+
+    warmup = [row for row in history if row["phase"] == "warmup"]
+    td = [row for row in history if row["phase"] == "td"]
+    kept = ("step", "phase", "critic/abs_error_mean", "critic/abs_error_constant",
+            "critic/parse_failure_rate", "critic/samples", "critic/parsed", "critic/states",
+            "critic/target_mean", "critic/value_mean", "critic/value_corr", "reward_mean",
+            "turns_mean", "cut_replies", "warmup/boundary_states", "td/restored_states",
+            "td/fresh_states", "td/store_size", "actor/datums", "critic/datums", "time_step")
+    section = {
+        "command": " ".join(["python", *sys.argv]),
+        "start": {"checkpoint": start, "made_by": options.sft_command},
+        "env": {"env_id": ENV_ID, "data": "split=train",
+                "max_turns": options.max_turns},
+        "settings": {k: getattr(args, k) for k in (
+            "warmup_updates", "td_updates", "batch_size", "horizon", "branches",
+            "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
+            "critic_max_tokens", "learning_rate", "lora_rank", "cut_continues")},
+        "warmup": pooled(warmup),
+        "after_warmup": pooled(td),
+        "per_update": [{k: row.get(k) for k in kept} for row in history],
+        "seconds": round(seconds, 1), "load_start": load_start, "load_end": _load(),
+    }
+    after = section["after_warmup"]
+    section["targets"] = {
+        "parse_rate_at_least_0.95": after["parse_rate"] is not None
+        and after["parse_rate"] >= 0.95,
+        "abs_error_below_best_constant": after["abs_error"] is not None
+        and after["abs_error"] < after["abs_error_best_constant"],
+    }
+    out = Path(options.out)
+    _plot_tempo(history, out.with_name(out.stem + "-tempo.png"))
+    print(json.dumps({"warmup": section["warmup"], "after_warmup": after,
+                      "targets": section["targets"]}))
+    return section
+
+
+def _plot_tempo(history: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] + 1 for row in history]
+    figure, (error_axis, parse_axis) = plt.subplots(1, 2, figsize=(9, 3))
+    for key, label, style in (("critic/abs_error_mean", "critic", "-o"),
+                              ("critic/abs_error_constant", "best constant", "--s")):
+        error_axis.plot(steps, [row[key] for row in history], style, markersize=3, label=label)
+    error_axis.set_ylabel("absolute error of the value")
+    error_axis.legend()
+    parse_axis.plot(steps, [1 - (row["critic/parse_failure_rate"] or 0.0) for row in history],
+                    "-o", markersize=3)
+    parse_axis.axhline(0.95, color="grey", linestyle=":")
+    parse_axis.set_ylabel("critic parse rate")
+    warm = sum(row["phase"] == "warmup" for row in history)
+    for axis in (error_axis, parse_axis):
+        axis.set_xlabel("TEMPO update")
+        axis.axvspan(0.5, warm + 0.5, color="grey", alpha=0.15)
+    figure.suptitle(f"TEMPO critic on {ENV_ID} from the SFT checkpoint (warm-up shaded)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
-    "sft": section_sft, "grpo": section_grpo,
+    "sft": section_sft, "grpo": section_grpo, "opd": section_opd, "tempo": section_tempo,
 }
 
 
@@ -197,6 +451,8 @@ def main() -> int:
     parser.add_argument("--max-turns", type=int, default=4, help="per episode")
     parser.add_argument("--work", default="runs/bench-learning")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/learning.json"))
+    add_opd_options(parser)
+    add_tempo_options(parser)
     options = parser.parse_args()
     import torch
 

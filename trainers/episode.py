@@ -298,7 +298,8 @@ class Episode:
     context only) and every reply this episode sampled, one span each, so it is the
     episode's Datum as it stands. ``end_reason`` is ``terminated`` or ``truncated`` (the
     env's verdict), ``max_turns``, ``max_tokens`` (the last reply was cut and never shown
-    to the env) or ``trajectory_budget`` (no room left for another reply).
+    to the env) or ``trajectory_budget`` (no room left for another reply). ``cut_replies``
+    counts the cut replies that were shown to the env anyway (``RolloutConfig.cut_continues``).
 
     ``step_rewards`` holds the env's reward for each step (``reward`` adds the cut penalty,
     if any), ``opening_messages`` how many of ``messages`` the episode opened with, and
@@ -324,6 +325,7 @@ class Episode:
     next_prompt: list[int] | None = None
     start: ResumePoint | None = None
     earlier: tuple[TokenSequence, ...] = ()
+    cut_replies: int = 0
 
     @property
     def sequences(self) -> tuple[TokenSequence, ...]:

@@ -10,7 +10,13 @@ Budgets: ``max_turns`` replies per branch, ``max_tokens`` per reply and
 ``max_trajectory_tokens`` for the whole sequence (prompt plus everything after it). A reply
 that does not end with the template's stop token was cut by a budget: it is never shown to
 the environment, so it can never be scored as an answer. The episode ends there with
-``end_reason="max_tokens"`` and ``cut_reward`` added to what the env already paid.
+``end_reason="max_tokens"`` and ``cut_reward`` added to what the env already paid. With
+``cut_continues`` a cut reply is instead closed with the template's end of turn (context,
+not sample) and shown to the env like any reply, and the episode goes on: for a small model
+at a CPU reply budget most replies are cut, so ending on the first cut means no episode
+ever lives past a few turns (TEMPO's warm-up needs episodes that reach turn H). The env
+judges the cut text as it stands (usually an invalid action); ``Episode.cut_replies``
+counts them.
 
 ``history_window`` shows the sampler only the task and the last N turns, cut by the same
 function eval uses (``agent_gym.render.window_messages``), so a policy is trained on the
@@ -66,6 +72,7 @@ class RolloutConfig:
     cut_reward: float = 0.0
     keep_states: bool = False
     history_window: int | None = None
+    cut_continues: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_turns < 1 or self.max_tokens < 1:
@@ -102,6 +109,7 @@ class _Branch:
     rewards: list[float] = field(default_factory=list)
     invalid: int = 0
     earlier: list[TokenSequence] = field(default_factory=list)  # closed by window cuts
+    cut: int = 0
     dropped: list[dict[str, Any]] = field(default_factory=list)  # messages cut from view
 
     @property
@@ -232,6 +240,7 @@ def rollout_metrics(episodes: Sequence[Episode]) -> Metrics:
         "sampled_tokens": sum(e.sampled_tokens for e in episodes),
         "turns_mean": float(np.mean([e.turns for e in episodes])) if episodes else None,
         "cut_rate": ends["max_tokens"] / len(episodes) if episodes else None,
+        "cut_replies": sum(e.cut_replies for e in episodes),
         "invalid_actions": sum(e.invalid_actions for e in episodes),
         "end_reasons": dict(ends),
     }
@@ -268,7 +277,10 @@ async def _play(group: _Group, branch: _Branch, sampled: SampleSequence) -> Epis
         branch.sequence = branch.sequence.extend(branch.conversation.tokens, reply,
                                                  sampled.logprobs)
         if not renderer.is_finished(reply):
-            return _finish(group, branch, "max_tokens", reply=reply, penalty=config.cut_reward)
+            if not config.cut_continues:
+                return _finish(group, branch, "max_tokens", reply=reply,
+                               penalty=config.cut_reward)
+            branch.cut += 1
         action = renderer.completion_text(reply)
         _, reward, terminated, truncated, info = await asyncio.to_thread(branch.env.step, action)
         branch.rewards.append(float(reward))
@@ -344,6 +356,7 @@ def _finish(
         group.opening["task_id"], branch.sequence, sum(branch.rewards) + penalty, end_reason,
         messages, branch.invalid,
         step_rewards=list(branch.rewards),
+        cut_replies=branch.cut,
         opening_messages=len(branch.conversation.opening),
         privileged=dict(group.opening.get("privileged") or {}),
         env_state=branch.env.unwrapped.save_state() if keep else None,

@@ -24,6 +24,15 @@ alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled
 2H, ... with target = the reward the episode still collected after that turn. Every update
 sends its actor and critic datums in one ``forward_backward`` and takes one ``optim_step``.
 
+Cut replies. A reply cut by ``--max-tokens`` ends a rollout's episode by default (it is
+never shown to the env). For a small model at a CPU reply budget most replies are cut, so
+no warm-up episode lived to turn H and warm-up found no state at all (the embedded
+SmolLM2 on ALFWorld-v0: 0 boundary states), which left TD nothing to restore either. So
+TEMPO shows a cut reply to the env, which judges its text as it stands (mostly an invalid
+action) while the episode goes on (``cut_replies`` counts them; ``--no-cut-continues``
+restores the cut as an end). The critic's reply is prefilled with ``<value>``, so its
+budget (``--critic-max-tokens``) only has to hold a number and the closing tag.
+
 States come from the store: each TD update draws states (consumed, never reused), leaves
 ``fresh_fraction`` of its groups to fresh tasks, drops states more than ``staleness``
 policy versions old, and stores every branch that stopped at the horizon with room to go on;
@@ -70,8 +79,9 @@ from trainers.run import (
 from trainers.run import parse_args as parse_run_args
 from trainers.store import StateStore, cut, fresh_quota
 
-# A branch that ended like this has no future reward: V(end) = 0. A cut reply ends the
-# episode too (it is never shown to the env), so its cut reward is all it gets. A branch
+# A branch that ended like this has no future reward: V(end) = 0. With --no-cut-continues
+# a cut reply ends the episode too (it is never shown to the env), so its cut reward is all
+# it gets. A branch
 # that ran out of trajectory tokens stopped for a budget, not in the game: its value is
 # estimated like any other endpoint (the seed lab counted it as terminal).
 TERMINAL_ENDS = frozenset({"terminated", "truncated", "max_tokens"})
@@ -98,7 +108,12 @@ class Args(RunArgs):
                                "[0, r_max]")
     prefix_is: bool = option(True, "weight restored groups by the prefix importance ratio")
     is_cap: float = option(2.0, "truncation of that ratio")
-    critic_max_tokens: int = option(512, "tokens per critic reply")
+    critic_max_tokens: int = option(
+        16, "tokens per critic reply: the reply is prefilled with <value>, so a number and "
+        "</value> (about 8 tokens) is all a parse needs")
+    cut_continues: bool = option(
+        True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
+        "the cut ends the episode, worth its reward so far)")
 
     def problems(self) -> list[str]:
         checks = [
@@ -209,7 +224,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             store = StateStore.from_json(saved, args.store_capacity, args.staleness)
         budgets = {"group_size": args.branches, "max_tokens": args.max_tokens,
                    "max_trajectory_tokens": args.max_trajectory_tokens,
-                   "temperature": args.temperature, "keep_states": True}
+                   "temperature": args.temperature, "keep_states": True,
+                   "cut_continues": args.cut_continues}
         tempo = Tempo(
             run, args,
             Critic(run.renderer, r_max=args.r_max, max_tokens=args.critic_max_tokens,
@@ -269,8 +285,9 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
     ))
     datums, metrics = critic_update(samples, [returns[i] for i in chosen], args.r_max)
     metrics |= rollout_metrics(episodes)
-    metrics |= {"warmup/boundary_states": len(points), "critic/parse_failure_rate":
-                _failure_rate([s for group in samples for s in group])}
+    flat = [s for group in samples for s in group]
+    metrics |= {"warmup/boundary_states": len(points), "critic/samples": len(flat),
+                "critic/parse_failure_rate": _failure_rate(flat)}
     return Batch(datums, metrics, states)
 
 
@@ -356,6 +373,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     metrics |= rollout_metrics(episodes)
     metrics |= {
         "critic/parse_failure_rate": _failure_rate(all_samples),
+        "critic/samples": len(all_samples),
         "actor/value_gap_zero_reward": value_gap_zero_reward(paid),
         "actor/degenerate_group_rate": degenerate / len(groups),
         "actor/return_mean": float(np.mean(targets)),
@@ -390,20 +408,21 @@ def critic_update(
 ) -> tuple[list[Datum], Metrics]:
     """Critic datums (rewards centred per start state) and the critic's accuracy metrics.
 
-    ``critic/abs_error_constant`` is what predicting the update's mean target everywhere
-    would have scored on the same samples: a critic below it tells states apart."""
+    ``critic/abs_error_constant`` is what the best constant in hindsight would have scored
+    on the same parsed samples: the median of their targets, which minimises the mean
+    absolute error (the mean does not: on targets 0, 0, 1 it scores 0.44, the median 0.33).
+    A critic below it tells states apart."""
     datums: list[Datum] = []
     errors: list[float] = []
-    constant: list[float] = []  # the baseline: the best constant value in hindsight
+    scored: list[float] = []  # the target of every parsed sample
     means: list[float] = []
     matched: list[float] = []
     degenerate = 0
-    mean_target = float(np.mean(targets)) if len(targets) else 0.0
     for group, target in zip(samples, targets, strict=True):
         values = [s.value for s in group]
         parsed = [v for v in values if v is not None]
         errors += [abs(v - target) for v in parsed]
-        constant += [abs(mean_target - target) for _ in parsed]
+        scored += [target] * len(parsed)
         if parsed:
             means.append(float(np.mean(parsed)))
             matched.append(target)
@@ -415,7 +434,9 @@ def critic_update(
                    for s, a in zip(group, advantages, strict=True)]
     return datums, {
         "critic/abs_error_mean": float(np.mean(errors)) if errors else None,
-        "critic/abs_error_constant": float(np.mean(constant)) if constant else None,
+        "critic/abs_error_constant": float(np.mean(np.abs(np.subtract(
+            scored, np.median(scored))))) if scored else None,
+        "critic/parsed": len(errors),
         "critic/value_corr": value_corr(means, matched),
         "critic/value_mean": float(np.mean(means)) if means else None,
         "critic/target_mean": float(np.mean(targets)) if len(targets) else None,

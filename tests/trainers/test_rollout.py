@@ -58,6 +58,30 @@ def test_rollout_never_scores_a_cut_reply(digit_sampler: Any) -> None:
     assert sum(metrics["end_reasons"].values()) == 16
 
 
+def test_a_cut_reply_can_be_shown_to_the_env_and_the_episode_goes_on(digit_sampler: Any) -> None:
+    """With ``cut_continues`` a cut reply is closed (the end of turn is context, not sample),
+    the env judges its text and the episode lives on to its turn budget."""
+    renderer = ChatRenderer(digit_sampler.get_tokenizer())
+    config = RolloutConfig(group_size=8, max_turns=3, max_tokens=1, max_trajectory_tokens=256,
+                           cut_continues=True)
+    episodes = asyncio.run(
+        rollout_group(lambda: grpo_toy.SayDigitEnv(max_turns=3), {"index": 0}, digit_sampler,
+                      renderer, config, seed=3)
+    )
+    assert all(e.end_reason != "max_tokens" for e in episodes)
+    assert sum(e.cut_replies for e in episodes) > 0
+    for episode in episodes:
+        replies = [episode.sequence.completion(i) for i in range(episode.turns)]
+        assert episode.cut_replies == sum(not renderer.is_finished(r) for r in replies)
+        assert all(len(r) == 1 for r in replies)  # the closing tokens were never sampled
+        if episode.end_reason == "max_turns":
+            assert episode.turns == 3
+        # every reply, cut or not, was answered by the env
+        assert [m["role"] for m in episode.messages[-2:]] == ["assistant", "user"]
+        build_datum(episode.sequence, 1.0)
+    assert rollout_metrics(episodes)["cut_replies"] == sum(e.cut_replies for e in episodes)
+
+
 def test_trajectory_budget_is_respected(digit_sampler: Any) -> None:
     renderer = ChatRenderer(digit_sampler.get_tokenizer())
     config = RolloutConfig(group_size=8, max_turns=5, max_tokens=8, max_trajectory_tokens=24)

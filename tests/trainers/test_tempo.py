@@ -114,10 +114,12 @@ def test_critic_datums_and_the_best_constant_baseline() -> None:
         sequence = TokenSequence((1, 2)).extend([1, 2], [3], [-0.5])
         return [CriticSample(sequence, v) for v in values]
 
-    # two start states, targets 0 and 1 (mean 0.5); the critic says 0.1/0.3 and 0.9/None
+    # two start states, targets 0 and 1; the critic says 0.1/0.3 and 0.9/None
     datums, metrics = critic_update([samples(0.1, 0.3), samples(0.9, None)], [0.0, 1.0], 1.0)
     assert metrics["critic/abs_error_mean"] == pytest.approx((0.1 + 0.3 + 0.1) / 3)
-    assert metrics["critic/abs_error_constant"] == pytest.approx(0.5)  # |0.5 - target|
+    # the parsed samples' targets are 0, 0, 1: the best constant is their median, 0
+    assert metrics["critic/abs_error_constant"] == pytest.approx(1 / 3)
+    assert metrics["critic/parsed"] == 3
     assert metrics["critic/value_corr"] == pytest.approx(1.0)
     assert len(datums) == metrics["critic/datums"] == 4
     advantages = [d.loss_fn_inputs["advantages"].data[-1] for d in datums]
@@ -282,3 +284,23 @@ def test_tempo_through_pytrio_client_code(
     assert trained and server.count(EventType.TRAINER_OPTIMIZE_STEP) == trained
     assert len(server.groups) == trained  # one forward_backward per update
     assert server.count(EventType.TRAINER_SAVE_STATE) == 2
+
+
+def test_warmup_finds_boundary_states_when_every_reply_is_cut(tmp_path: Path) -> None:
+    """Search-v0 with a random model and one token per reply: every reply is cut. A cut that
+    ended the episode left no episode alive at turn H, so warm-up found no state at all
+    (what the embedded model did on ALFWorld-v0); shown to the env, the cut replies are
+    invalid searches, the episodes reach their turn budget and turn H is a state."""
+    def warmup(out: Path, **overrides: Any) -> dict[str, Any]:
+        args = Args(env_id="agent_gym/Search-v0", env_kwargs={"max_turns": 4}, model="tiny",
+                    lora_rank=0, warmup_updates=1, td_updates=0, batch_size=2, horizon=2,
+                    branches=2, critic_samples=2, max_tokens=1, critic_max_tokens=2,
+                    max_trajectory_tokens=4096, out=str(out), progress=False, **overrides)
+        return train(args)[0]
+
+    ended = warmup(tmp_path / "ended", cut_continues=False)
+    assert ended["end_reasons"] == {"max_tokens": 4} and ended["warmup/boundary_states"] == 0
+    went_on = warmup(tmp_path / "went-on")
+    assert went_on["cut_replies"] == 4 * 4 and went_on["end_reasons"] == {"truncated": 4}
+    assert went_on["warmup/boundary_states"] == 4 and went_on["td/stored"] == 4
+    assert went_on["critic/states"] == 4
