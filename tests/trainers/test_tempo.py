@@ -216,7 +216,9 @@ def test_resume_continues_weights_store_and_metrics(model: str, tmp_path: Path) 
     for mine, reference in zip(resumed, straight[3:], strict=True):
         for key in ("td/restored_states", "td/store_size", "reward_mean", "critic/abs_error_mean",
                     "is/weight_mean", "datums"):
-            assert mine[key] == pytest.approx(reference[key]), key
+            # Float figures agree to float precision, not bit for bit: the resumed sampler's
+            # prefix cache is empty, so its prompts are prefilled in other pieces.
+            assert mine[key] == pytest.approx(reference[key], rel=1e-4), key
         assert mine["loss"] == pytest.approx(reference["loss"], abs=1e-5)
     lines = (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(5))
