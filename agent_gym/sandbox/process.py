@@ -97,14 +97,9 @@ def spawner() -> _DaemonThread:
 _CLONE_NEWPID = 0x20000000
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
-# pid 1 of the nursery: reaps whatever is orphaned inside it, and ends (taking the whole
-# namespace with it) once the process it belongs to is gone. PR_SET_PDEATHSIG alone is not
-# enough: the kernel does not deliver it to a pid namespace's init, so a nursery whose
-# process died (a forked vector-env worker) lived on, adopted by the subreaper. argv[1] is
-# a pidfd of that process, readable once it has exited.
+# pid 1 of the nursery: reaps whatever is orphaned inside it, and nothing else.
 _NURSERY_INIT = """
-import os, select, signal, sys
-owner = int(sys.argv[1])
+import os, signal
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
 while True:
     try:
@@ -112,9 +107,7 @@ while True:
             pass
     except ChildProcessError:
         pass
-    if select.select([owner], [], [], 0)[0]:
-        os._exit(0)
-    signal.sigtimedwait({signal.SIGCHLD}, 0.5)
+    signal.sigwaitinfo({signal.SIGCHLD})
 """
 _nursery: subprocess.Popen[bytes] | None = None
 
@@ -150,7 +143,7 @@ def enter_nursery() -> None:
     me = os.pidfd_open(os.getpid())
     try:
         _nursery = subprocess.Popen(
-            [sys.executable, "-S", "-c", _NURSERY_INIT, str(me)],
+            [sys.executable, "-S", "-c", _NURSERY_INIT],
             stdin=subprocess.DEVNULL,
             env={},
             pass_fds=[me],
