@@ -97,17 +97,29 @@ def spawner() -> _DaemonThread:
 _CLONE_NEWPID = 0x20000000
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
-# pid 1 of the nursery: reaps whatever is orphaned inside it, and nothing else.
+# pid 1 of the nursery: reaps whatever is orphaned inside it, and ends (taking the whole
+# namespace with it) once the process it belongs to is gone. PR_SET_PDEATHSIG is not enough
+# on its own: a nursery of a forked worker was found alive under the test run's subreaper
+# after the worker had died. argv[1] is a pidfd of the owner, readable once it has exited;
+# SIGCHLD wakes the same select through the wakeup fd, so the init never polls.
 _NURSERY_INIT = """
-import os, signal
-signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+import os, select, signal, sys
+owner = int(sys.argv[1])
+wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+signal.set_wakeup_fd(wake_w)
+signal.signal(signal.SIGCHLD, lambda *_: None)
 while True:
     try:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
     except ChildProcessError:
         pass
-    signal.sigwaitinfo({signal.SIGCHLD})
+    if owner in select.select([owner, wake_r], [], [])[0]:
+        os._exit(0)
+    try:
+        os.read(wake_r, 512)
+    except BlockingIOError:
+        pass
 """
 _nursery: subprocess.Popen[bytes] | None = None
 
@@ -143,7 +155,7 @@ def enter_nursery() -> None:
     me = os.pidfd_open(os.getpid())
     try:
         _nursery = subprocess.Popen(
-            [sys.executable, "-S", "-c", _NURSERY_INIT],
+            [sys.executable, "-S", "-c", _NURSERY_INIT, str(me)],
             stdin=subprocess.DEVNULL,
             env={},
             pass_fds=[me],

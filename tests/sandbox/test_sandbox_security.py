@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_gym.sandbox import Limits, StatelessSandbox, open_sandbox
+from agent_gym.sandbox import Limits, StatelessSandbox, open_sandbox, process
 from agent_gym.sandbox.config import FORKSERVER_SPARES, SANDBOX_ENV
 from tests.helpers.procs import live_pids_of, marked, wait_until
 
@@ -343,3 +343,24 @@ def test_killing_the_harness_mid_spawn_leaves_nothing(tmp_path: Path) -> None:
         time.sleep(delay)
         process.kill()
         process.wait()
+
+
+def test_a_nursery_ends_once_its_owner_is_gone_even_without_a_signal() -> None:
+    """The kernel's parent-death signal alone once let a dead worker's nursery live on: the
+    init watches its owner itself. Run here without that signal and outside any namespace,
+    so only the watch can end it."""
+    owner = subprocess.Popen(["sleep", "0.5"])
+    pidfd = os.pidfd_open(owner.pid)
+    try:
+        init = subprocess.Popen([sys.executable, "-S", "-c", process._NURSERY_INIT, str(pidfd)],
+                                pass_fds=[pidfd])
+    finally:
+        os.close(pidfd)
+    try:
+        time.sleep(0.2)
+        assert init.poll() is None  # it lives as long as its owner
+        owner.wait()
+        assert init.wait(timeout=10) == 0
+    finally:
+        init.kill()
+        init.wait()
