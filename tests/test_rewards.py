@@ -59,6 +59,26 @@ def test_math_equivalence(prediction: str, reference: str, equal: bool) -> None:
     assert math_equal(prediction, reference) is equal
 
 
+INTEGER_PAIRS = [("42", "42"), ("042", "42"), ("-0", "0"), ("42", "43"), ("-5", "5"),
+                 (" 18", "18"), ("123456789", "123456788"), ("10" * 20, "10" * 20)]
+
+
+def test_integers_are_compared_without_the_helper_as_math_verify_compares_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    verifier = MathVerifier()
+    try:
+        expected = [verifier.equal(prediction, reference) for prediction, reference in INTEGER_PAIRS]
+    finally:
+        verifier.close()
+
+    def no_helper(self: MathVerifier, prediction: str, reference: str) -> bool:
+        raise AssertionError(f"{prediction!r} vs {reference!r} went to a helper process")
+
+    monkeypatch.setattr(MathVerifier, "equal", no_helper)
+    assert [math_equal(p, r) for p, r in INTEGER_PAIRS] == expected
+
+
 def test_score_math_without_an_answer() -> None:
     assert score_math("I think it is 4", "4").correct is False
     assert score_math("so \\boxed{4}", "4").correct is True
