@@ -517,13 +517,21 @@ class _Server:
         return child
 
     def refill(self) -> None:
-        """Fork spares while no call runs: a spare being forked and isolated competes for
-        the CPU with a running call, so that work waits for a gap between calls (a call
-        that finds no spare forks its own)."""
-        if any(child.reply_w is not None for child in self.watched.values()):
+        """Keep ``spares`` children forked and isolated ahead of calls.
+
+        A spare being forked and isolated competes for the CPU with a running call, so
+        while calls run nothing is forked as long as a spare is left; the rest waits for a
+        gap between calls. Once back-to-back callers have drained the spares, one is forked
+        per turn of the event loop, or every call would wait for its own child's fork and
+        isolation.
+        """
+        busy = any(child.reply_w is not None for child in self.watched.values())
+        if busy and self.spares:
             return
         while len(self.spares) < self.config["spares"]:
             self.spares.append(self.fork())
+            if busy:
+                return
 
     def dispatch(self, body: bytes, fds: list) -> None:
         """Hand one request's files to a spare (forked now if none is left) and time it."""
