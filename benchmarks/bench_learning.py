@@ -480,13 +480,14 @@ def main() -> int:
 
 
 def _plot(work: Path, path: Path) -> None:
-    """One panel per section that has run: SFT's train and held-out NLL, GRPO's reward."""
+    """One panel per section that has run: SFT's train and held-out NLL, GRPO's reward.
+    (OPD and TEMPO have figures of their own: they write no ``reward_mean`` curve.)"""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {name: read_metrics(work / name / "metrics.jsonl") for name in SECTIONS
+    runs = {name: read_metrics(work / name / "metrics.jsonl") for name in ("sft", "grpo")
             if (work / name / "metrics.jsonl").is_file()}
     if not runs:
         return
