@@ -11,8 +11,9 @@ Specs for the command line:
 * ``random`` — a random admissible action, for envs that list them;
 * ``openai:MODEL@BASE_URL`` — any OpenAI-compatible chat endpoint (vLLM, SGLang,
   llama.cpp, OpenAI); the key comes from ``$OPENAI_API_KEY``; append ``#text`` to describe
-  tools in the prompt instead of passing them natively (for servers that ignore ``tools``
-  or drop ``role: "tool"`` content, as llama-cpp-python's does);
+  tools in the prompt instead of passing them natively (for servers that ignore ``tools``,
+  as llama-cpp-python's does with a model's own chat template, or drop ``role: "tool"``
+  content, as it does with ``--chat_format chatml-function-calling``);
 * ``local[:MODEL][@CHECKPOINT]`` — the local torch backend's sampler (default model: the
   embedded SmolLM2-135M-Instruct; ``tiny``, or any local Hugging Face directory; a
   checkpoint saved by ``agent-gym train``);
@@ -72,12 +73,15 @@ CONTEXT_LENGTH_MARKERS = (
     "longer than the maximum model length",
     "longer than the model's context length",
 )
-# How servers say a request is malformed, when they answer it with a 5xx (llama.cpp's
-# server answers content it cannot template, such as ``null``, with HTTP 500): a retry
-# sends the same request and gets the same answer.
+# How servers say a request is malformed, when they answer it with a 5xx: a retry sends the
+# same request and gets the same answer. llama.cpp's server answers content it cannot
+# template, such as ``null``, with HTTP 500 and nlohmann::json's "type must be string";
+# llama-cpp-python's (0.3.36, measured) with HTTP 500 and its request schema's "validation
+# errors", or the Python TypeError its Jinja template raised ("can only concatenate str
+# (not "NoneType") to str").
 VALIDATION_MARKERS = (
     "validation error", "invalid", "type must be", "must be a string", "unsupported",
-    "not supported", "expected string",
+    "not supported", "expected string", "can only concatenate", "nonetype",
 )
 ERROR_TEXT_LIMIT = 2000  # enough of a server's error body to show its cause
 
