@@ -194,7 +194,8 @@ class OpenAIChatPolicy:
     prompt and lets the model write the tags itself (for servers without tool support).
 
     Only transient failures are retried (connection errors, 408/409/429, 5xx that do not
-    say the request is malformed); a context overflow raises :class:`ContextLengthError`.
+    say the request is malformed); a read timeout is not (the server is still on the
+    request), and a context overflow raises :class:`ContextLengthError`.
 
     The HTTP client belongs to the event loop that uses it: it is made on first use in a
     loop and remade when a later ``asyncio.run`` calls the policy (a client's connections
@@ -297,6 +298,16 @@ class OpenAIChatPolicy:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 response = await client.post(path, json=body)
+            except httpx.ReadTimeout as err:
+                # The server has the request and is still on it (or on those queued before
+                # it): a resend queues a second copy behind the first, which llama-cpp-python
+                # keeps computing for no one. Measured: ALFWorld at --concurrency 4 against
+                # its one-slot CPU server lost 3 of 4 episodes to 4 timeouts each.
+                raise PolicyError(
+                    f"ReadTimeout: no reply within --timeout {self.timeout:g} s; a server "
+                    "that computes one request at a time makes concurrent ones wait: raise "
+                    "--timeout or lower --concurrency"
+                ) from err
             except httpx.TransportError as err:
                 problem = f"{type(err).__name__}: {err}"
                 continue

@@ -215,11 +215,15 @@ def test_timeout_is_the_http_clients() -> None:
     assert isinstance(policy, OpenAIChatPolicy) and policy.timeout == 0.2
     with ChatServer(Behaviour(delay=1.0)) as server:
         policy = make_policy(f"openai:m@{server.url}", timeout=0.2)
-        policy.max_retries = 0
+        assert isinstance(policy, OpenAIChatPolicy) and policy.max_retries > 0
         started = time.monotonic()
-        with pytest.raises(PolicyError, match="ReadTimeout"):
+        # Not retried: the server is still computing the request, and a resend would queue
+        # behind it. The error says which setting to change.
+        with pytest.raises(PolicyError, match=r"^ReadTimeout: no reply within --timeout 0.2 s"
+                                              r".*raise --timeout or lower --concurrency"):
             asyncio.run(policy.act(PolicyInput([{"role": "user", "content": "x"}], [], 0)))
         assert time.monotonic() - started < 0.9
+        assert len(server.behaviour.requests) == 1
 
 
 def test_sigterm_writes_the_summary_of_finished_episodes(tmp_path: Path) -> None:
