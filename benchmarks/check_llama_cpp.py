@@ -1,13 +1,14 @@
 """End-to-end check of ``agent-gym eval`` against a real llama-cpp-python server.
 
 Issue 18's server behaviours, checked against a server that is already running (this script
-never starts one; see the README's "Manual check against llama-cpp-python" for how to build
+never starts one; see the README's "Check against llama-cpp-python" for how to build
 and start it with the embedded SmolLM2 GGUF and a 4096-token context):
 
 * native tools (Search-v0, ``tool_choice: "auto"``) reach the env, or the run's notes say
   the server ignored them and suggest ``#text``; no episode is an error (no HTTP 500 from a
   ``null`` content);
-* ``#text`` tool calls reach the env (tool messages in the transcripts);
+* how many tool results reached the env in each run (``tool_messages``: in ``#text`` mode
+  that depends on the model writing the tags, so it is a figure, not a verdict);
 * a chat the server rejects as malformed (``null`` content, as an earlier client sent after
   a tool call) fails after one request, without retries;
 * ``--suite default`` with an ``openai:`` policy runs every env of the suite;
@@ -19,11 +20,13 @@ and start it with the embedded SmolLM2 GGUF and a 4096-token context):
   interleaved multi-turn episodes can lose its prompt cache.
 
 Every run goes through the command line (``agent_gym.cli.main``) into ``--out``; the
-figures and verdicts are printed and written to ``benchmarks/results/llama_cpp.json``. Not
-part of the test suite: it needs the server, and its runs take minutes on 2 cores.
+figures and verdicts are printed and written to ``--report`` (default
+``benchmarks/results/llama_cpp.json``). Not part of the test suite: it needs the server,
+and its runs take about 12 minutes on 2 cores.
 
     PYTHONPATH=. .venv/bin/python benchmarks/check_llama_cpp.py \
-        --url http://127.0.0.1:8765/v1 [--model smollm2] [--episodes 4] [--max-tokens 64]
+        --url http://127.0.0.1:8765/v1 [--model smollm2] [--episodes 4] [--max-tokens 256]
+        [--runs search_native,...] [--report PATH]
 """
 
 from __future__ import annotations
