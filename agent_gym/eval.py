@@ -275,8 +275,10 @@ def _notes(config: EvalConfig, replies: Sequence[Mapping[str, Any]]) -> list[str
         base = config.policy.partition("#")[0]
         return [
             f"tools were offered natively on {len(offered)} replies and none carried "
-            "tool_calls: the server may ignore tools (or drop role 'tool' content, as "
-            f"llama-cpp-python does); describe them in the prompt with --policy '{base}#text'"
+            "tool_calls: the server may ignore tools (llama-cpp-python's does unless started "
+            "with a function-calling chat format such as --chat_format "
+            "chatml-function-calling); describe them in the prompt with --policy "
+            f"'{base}#text'"
         ]
     return []
 

@@ -11,8 +11,9 @@ Specs for the command line:
 * ``random`` — a random admissible action, for envs that list them;
 * ``openai:MODEL@BASE_URL`` — any OpenAI-compatible chat endpoint (vLLM, SGLang,
   llama.cpp, OpenAI); the key comes from ``$OPENAI_API_KEY``; append ``#text`` to describe
-  tools in the prompt instead of passing them natively (for servers that ignore ``tools``
-  or drop ``role: "tool"`` content, as llama-cpp-python's does);
+  tools in the prompt instead of passing them natively (for servers that ignore ``tools``,
+  as llama-cpp-python's does with a model's own chat template, or drop ``role: "tool"``
+  content, as it does with ``--chat_format chatml-function-calling``);
 * ``local[:MODEL][@CHECKPOINT]`` — the local torch backend's sampler (default model: the
   embedded SmolLM2-135M-Instruct; ``tiny``, or any local Hugging Face directory; a
   checkpoint saved by ``agent-gym train``);
@@ -72,12 +73,15 @@ CONTEXT_LENGTH_MARKERS = (
     "longer than the maximum model length",
     "longer than the model's context length",
 )
-# How servers say a request is malformed, when they answer it with a 5xx (llama.cpp's
-# server answers content it cannot template, such as ``null``, with HTTP 500): a retry
-# sends the same request and gets the same answer.
+# How servers say a request is malformed, when they answer it with a 5xx: a retry sends the
+# same request and gets the same answer. llama.cpp's server answers content it cannot
+# template, such as ``null``, with HTTP 500 and nlohmann::json's "type must be string";
+# llama-cpp-python's (0.3.36, measured) with HTTP 500 and its request schema's "validation
+# errors", or the Python TypeError its Jinja template raised ("can only concatenate str
+# (not "NoneType") to str").
 VALIDATION_MARKERS = (
     "validation error", "invalid", "type must be", "must be a string", "unsupported",
-    "not supported", "expected string",
+    "not supported", "expected string", "can only concatenate", "nonetype",
 )
 ERROR_TEXT_LIMIT = 2000  # enough of a server's error body to show its cause
 
@@ -190,7 +194,8 @@ class OpenAIChatPolicy:
     prompt and lets the model write the tags itself (for servers without tool support).
 
     Only transient failures are retried (connection errors, 408/409/429, 5xx that do not
-    say the request is malformed); a context overflow raises :class:`ContextLengthError`.
+    say the request is malformed); a read timeout is not (the server is still on the
+    request), and a context overflow raises :class:`ContextLengthError`.
 
     The HTTP client belongs to the event loop that uses it: it is made on first use in a
     loop and remade when a later ``asyncio.run`` calls the policy (a client's connections
@@ -293,6 +298,16 @@ class OpenAIChatPolicy:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             try:
                 response = await client.post(path, json=body)
+            except httpx.ReadTimeout as err:
+                # The server has the request and is still on it (or on those queued before
+                # it): a resend queues a second copy behind the first, which llama-cpp-python
+                # keeps computing for no one. Measured: ALFWorld at --concurrency 4 against
+                # its one-slot CPU server lost 3 of 4 episodes to 4 timeouts each.
+                raise PolicyError(
+                    f"ReadTimeout: no reply within --timeout {self.timeout:g} s; a server "
+                    "that computes one request at a time makes concurrent ones wait: raise "
+                    "--timeout or lower --concurrency"
+                ) from err
             except httpx.TransportError as err:
                 problem = f"{type(err).__name__}: {err}"
                 continue

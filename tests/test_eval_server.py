@@ -4,6 +4,7 @@ doubles of llama-cpp-python's quirks and of a server that enforces a context lim
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,13 @@ from agent_gym.policies import (
     make_policy,
     says_context_length,
 )
-from tests.helpers.openai_server import CONTEXT_ERRORS, Behaviour, ChatServer, prompt_tokens
+from tests.helpers.openai_server import (
+    CONTEXT_ERRORS,
+    NULL_CONTENT_ERRORS,
+    Behaviour,
+    ChatServer,
+    prompt_tokens,
+)
 
 ALFWORLD = "agent_gym/ALFWorld-v0"
 SEARCH = "agent_gym/Search-v0"
@@ -100,11 +107,13 @@ def _search_then_answer_text(body: dict[str, Any]) -> dict[str, Any]:
     return {"content": "<answer>unknown</answer>"}
 
 
-def test_null_content_and_validation_errors_are_not_retried(tmp_path: Path) -> None:
+@pytest.mark.parametrize("style", sorted(NULL_CONTENT_ERRORS))
+def test_null_content_and_validation_errors_are_not_retried(tmp_path: Path, style: str) -> None:
     observation = PolicyInput([{"role": "user", "content": None}], [], 0)
-    with ChatServer(Behaviour(llama_cpp=True)) as server:
+    with ChatServer(Behaviour(llama_cpp=True, null_style=style)) as server:
         policy = OpenAIChatPolicy("m", server.url, backoff=0.0, max_retries=3)
-        with pytest.raises(PolicyError, match=r"HTTP 500: .*type must be string, but is null"):
+        cause = NULL_CONTENT_ERRORS[style]["error"]["message"]
+        with pytest.raises(PolicyError, match=r"^HTTP 500: .*" + re.escape(json.dumps(cause))):
             asyncio.run(policy.act(observation))
         assert len(server.behaviour.requests) == 1  # the same request would fail the same way
     # A 4xx is not retried, and the recorded error keeps ~2 KB of the server's text: enough
@@ -206,11 +215,15 @@ def test_timeout_is_the_http_clients() -> None:
     assert isinstance(policy, OpenAIChatPolicy) and policy.timeout == 0.2
     with ChatServer(Behaviour(delay=1.0)) as server:
         policy = make_policy(f"openai:m@{server.url}", timeout=0.2)
-        policy.max_retries = 0
+        assert isinstance(policy, OpenAIChatPolicy) and policy.max_retries > 0
         started = time.monotonic()
-        with pytest.raises(PolicyError, match="ReadTimeout"):
+        # Not retried: the server is still computing the request, and a resend would queue
+        # behind it. The error says which setting to change.
+        with pytest.raises(PolicyError, match=r"^ReadTimeout: no reply within --timeout 0.2 s"
+                                              r".*raise --timeout or lower --concurrency"):
             asyncio.run(policy.act(PolicyInput([{"role": "user", "content": "x"}], [], 0)))
         assert time.monotonic() - started < 0.9
+        assert len(server.behaviour.requests) == 1
 
 
 def test_sigterm_writes_the_summary_of_finished_episodes(tmp_path: Path) -> None:

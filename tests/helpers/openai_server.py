@@ -4,11 +4,13 @@ It is a test double of a remote model server (vLLM, OpenAI, llama.cpp), with kno
 latency and failures: the eval client's retries, error handling and concurrency are
 exercised against real HTTP on a real socket.
 
-``llama_cpp=True`` mimics what llama-cpp-python's server (SmolLM2, measured in issue 18) did
-to the requests of an earlier client: ``tools`` are ignored unless ``tool_choice`` is sent
-(replies then carry no ``tool_calls``), a message with ``"content": null`` is answered with
-HTTP 500, and ``role: "tool"`` content never reaches the model (``seen`` records the chat as
-the model saw it). ``context_limit`` rejects a prompt longer than that many tokens (counted
+``llama_cpp=True`` mimics llama-cpp-python's server (0.3.36, SmolLM2, measured) started with
+``--chat_format chatml-function-calling``, the format in which it calls tools: ``tools`` are
+ignored unless ``tool_choice`` is sent (replies then carry no ``tool_calls``), ``role:
+"tool"`` content never reaches the model (that template has no tool role; ``seen`` records
+the chat as the model saw it), and a message with ``"content": null`` is answered with
+HTTP 500 (``null_style`` picks whose wording). With the GGUF's own template, its default,
+the real server ignores tools whatever is sent and keeps tool content. ``context_limit`` rejects a prompt longer than that many tokens (counted
 as characters / 4) with HTTP 400 and the message of ``context_style``'s server.
 """
 
@@ -39,11 +41,23 @@ CONTEXT_ERRORS: dict[str, tuple[int, dict[str, Any]]] = {
         "messages resulted in 9000 tokens.", "type": "invalid_request_error",
         "param": "messages", "code": "context_length_exceeded"}}),
 }
-# llama.cpp's answer to content it cannot template: its chat template is applied with
-# nlohmann::json, which throws on null.
-NULL_CONTENT_ERROR = {"error": {
-    "code": 500, "type": "server_error",
-    "message": "[json.exception.type_error.302] type must be string, but is null"}}
+# What each server answers (HTTP 500) a message whose content is null. llama.cpp's applies
+# its chat template with nlohmann::json, which throws. llama-cpp-python's (0.3.36, measured
+# with SmolLM2) rejects an assistant message with null content in its request schema, and
+# with the GGUF's own template passes on the TypeError Jinja raises for a null user message.
+NULL_CONTENT_ERRORS: dict[str, dict[str, Any]] = {
+    "llama.cpp": {"error": {
+        "code": 500, "type": "server_error",
+        "message": "[json.exception.type_error.302] type must be string, but is null"}},
+    "llama-cpp-python": {"error": {
+        "message": 'can only concatenate str (not "NoneType") to str',
+        "type": "internal_server_error", "param": None, "code": None}},
+    "llama-cpp-python-schema": {"error": {
+        "message": "7 validation errors:\n  {'type': 'string_type', 'loc': ('body', "
+        "'messages', 1, 'ChatCompletionRequestAssistantMessage', 'content'), 'msg': "
+        "'Input should be a valid string', 'input': None}\n",
+        "type": "internal_server_error", "param": None, "code": None}},
+}
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -66,6 +80,7 @@ class Behaviour:
     llama_cpp: bool = False
     context_limit: int | None = None
     context_style: str = "llama.cpp"
+    null_style: str = "llama-cpp-python"  # whose answer to null content (NULL_CONTENT_ERRORS)
     # The chats the model saw (what a llama_cpp server kept of each request).
     seen: list[list[dict[str, Any]]] = field(default_factory=list)
 
@@ -127,7 +142,8 @@ class ChatServer:
                 if behaviour.llama_cpp and any(
                     m.get("content") is None for m in body.get("messages", [])
                 ):
-                    return self._send(500, json.dumps(NULL_CONTENT_ERROR).encode())
+                    error = NULL_CONTENT_ERRORS[behaviour.null_style]
+                    return self._send(500, json.dumps(error).encode())
                 tokens = prompt_tokens(body)
                 if behaviour.context_limit is not None and tokens > behaviour.context_limit:
                     status, error = CONTEXT_ERRORS[behaviour.context_style]
