@@ -48,7 +48,8 @@ SYSTEM_PROMPT = (
     "reference answer) and what the agent did so far. Estimate the reward the agent will "
     "still collect from this point on, between 0 and {r_max}; for a task that is either "
     "solved or not, that is the probability that the agent solves it. {answer} in a value "
-    "tag, for example <value>{example}</value>."
+    "tag: <value>{high}</value> when the history shows the agent on its way to the answer, "
+    "<value>{low}</value> when it is lost, anything in between."
 )
 # How the system prompt asks for the value, with and without a prefilled tag.
 ANSWER_NOW = "Reply with only the estimate"
@@ -126,7 +127,11 @@ def critic_messages(
         + ("\n".join(lines) if lines else "(nothing yet)")
         + f"\n\nHow much reward (0 to {_number(r_max)}) will the agent still collect?"
     )
-    system = SYSTEM_PROMPT.format(r_max=_number(r_max), example=_number(0.5 * r_max),
+    # Two anchors, not one example: SmolLM2 copied a single example value into every
+    # reply, so the K replies to a state were all alike, earned the same critic reward,
+    # and the centred update had nothing to learn from (every critic group degenerate).
+    system = SYSTEM_PROMPT.format(r_max=_number(r_max), high=_number(0.9 * r_max),
+                                  low=_number(0.1 * r_max),
                                   answer=ANSWER_NOW if prefill else THINK_FIRST)
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
