@@ -177,6 +177,16 @@ def _env_arg(text: str) -> tuple[str, Any]:
         return key, value
 
 
+HOST_SETTING_HELP = ("repeatable; a host setting (isolation, limits, url, paths) to build the "
+                     "env with: a state never chooses these itself")
+
+
+def add_env_arg(parser: argparse.ArgumentParser, help: str = HOST_SETTING_HELP) -> None:
+    """The repeatable ``--env-arg KEY=VALUE`` option (VALUE as JSON, else a string)."""
+    parser.add_argument("--env-arg", type=_env_arg, action="append", default=[],
+                        metavar="KEY=VALUE", help=help)
+
+
 def _env_factory(config: EvalConfig, ray_address: str | None) -> Any:
     """Envs in this process, or (``--ray``) each in a Ray actor on the cluster."""
     if ray_address is None:
@@ -357,8 +367,7 @@ def _register_serve(commands: Any) -> None:
         "settings; a state saved with other settings is refused.",
     )
     server.add_argument("env_id", help="e.g. agent_gym/GSM8K-v0")
-    server.add_argument("--env-arg", type=_env_arg, action="append", default=[],
-                        metavar="KEY=VALUE", help="env constructor argument (JSON value)")
+    add_env_arg(server, "env constructor argument (JSON value)")
     server.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     server.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     server.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
@@ -400,10 +409,7 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
                         help="with an episodes.jsonl: replay the final state of episode N")
     replay.add_argument("--rollout", type=int, default=0, metavar="R",
                         help="with --episode: which of its rollouts (--rollouts-per-task)")
-    replay.add_argument("--env-arg", type=_env_arg, action="append", default=[],
-                        metavar="KEY=VALUE",
-                        help="repeatable; a host setting (isolation, limits, url, paths) to "
-                        "build the env with: a state never chooses these itself")
+    add_env_arg(replay)
     replay.set_defaults(run=_replay)
 
     evaluation = commands.add_parser(
@@ -440,9 +446,7 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
         "as ALFWorld outgrow small contexts); default: the whole chat")
     evaluation.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                             help="HTTP timeout of an openai: policy's requests")
-    evaluation.add_argument("--env-arg", type=_env_arg, action="append", default=[],
-                            metavar="KEY=VALUE",
-                            help="env constructor argument, VALUE as JSON (else a string)")
+    add_env_arg(evaluation, "env constructor argument, VALUE as JSON (else a string)")
     evaluation.add_argument(
         "--device", default="auto",
         help="where a local[...] policy runs: auto (CUDA when available, then MPS, else CPU), "
@@ -458,7 +462,7 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
         "cluster (e.g. auto)",
     )
     evaluation.set_defaults(run=_eval)
-    runs_cli.register(commands, _env_arg)
+    runs_cli.register(commands, add_env_arg)
     search_cli.register(commands)
     alfworld_cli.register(commands)
     _register_serve(commands)

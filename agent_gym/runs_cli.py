@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agent_gym.compare import CompareError, compare, format_comparison
 from agent_gym.eval import EPISODES_FILE, ERRORS_FILE
@@ -96,8 +96,15 @@ def _rescore(args: argparse.Namespace) -> int:
     return 1 if result.failed else 0
 
 
-def register(commands: Any, env_arg: Callable[[str], tuple[str, Any]]) -> None:
-    """Add ``view``, ``compare`` and ``rescore`` to the top-level parser."""
+class AddEnvArg(Protocol):
+    """How the CLI adds its ``--env-arg`` option to a parser."""
+
+    def __call__(self, parser: argparse.ArgumentParser, help: str = ...) -> None: ...
+
+
+def register(commands: Any, add_env_arg: AddEnvArg) -> None:
+    """Add ``view``, ``compare`` and ``rescore`` to the top-level parser; ``add_env_arg``
+    adds the CLI's ``--env-arg`` option (with its host-setting help unless given one)."""
     view = commands.add_parser(
         "view", help="write a static HTML report of eval runs (opens from disk)",
         description="Read each RUN (an eval --out directory, or a suite's, with a run per env "
@@ -110,9 +117,7 @@ def register(commands: Any, env_arg: Callable[[str], tuple[str, Any]]) -> None:
     view.add_argument("--replay", action="store_true",
                       help="replay every episode's saved state to show its rewards per step "
                       "(a run's rescore.json is used without it)")
-    view.add_argument("--env-arg", type=env_arg, action="append", default=[],
-                      metavar="KEY=VALUE", help="with --replay: a host setting to build the "
-                      "envs with, as for rescore")
+    add_env_arg(view, "with --replay: a host setting to build the envs with, as for rescore")
     view.set_defaults(run=_view)
 
     comparison = commands.add_parser(
@@ -138,10 +143,7 @@ def register(commands: Any, env_arg: Callable[[str], tuple[str, Any]]) -> None:
     rescore.add_argument("--out", help="the result file (default: RUN/rescore.json)")
     rescore.add_argument("--force", action="store_true",
                          help="replace --out if it exists (never the run's own files)")
-    rescore.add_argument("--env-arg", type=env_arg, action="append", default=[],
-                         metavar="KEY=VALUE",
-                         help="repeatable; a host setting (isolation, limits, url, paths) to "
-                         "build the envs with: a state never chooses these itself")
+    add_env_arg(rescore)
     rescore.set_defaults(run=_rescore)
 
 

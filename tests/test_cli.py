@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -221,7 +222,7 @@ def test_replay_of_an_edited_state_keeps_the_sandbox_on(
 
     from agent_gym.envs.code import PROTOCOLS
 
-    marker = Path(f"/tmp/agent-gym-replay-escape-{tmp_path.name}")
+    marker = Path(tempfile.gettempdir()) / f"agent-gym-replay-escape-{tmp_path.name}"
     env = gymnasium.make("agent_gym/CodeInterpreter-v0", max_turns=3)
     try:
         env.reset(seed=0)

@@ -19,20 +19,15 @@ from agent_gym.policies import (
     _tool_calls_as_text,
     make_policy,
 )
+from tests.helpers.eval_runs import GSM8K, read_episodes
 from tests.helpers.openai_server import Behaviour, ChatServer
-
-GSM8K = "agent_gym/GSM8K-v0"
-
-
-def _episodes(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
 
 
 def test_oracle_solves_every_episode_and_logs_transcripts(tmp_path: Path) -> None:
     config = EvalConfig(GSM8K, "oracle", episodes=6, seed=3)
     summary = asyncio.run(evaluate(config, OraclePolicy(), tmp_path, progress=False))
     assert summary.success_rate == 1.0 and summary.episodes == 6
-    records = _episodes(tmp_path)
+    records = read_episodes(tmp_path)
     assert sorted(r["episode"] for r in records) == list(range(6))
     for record in records:
         assert record["transcript"][-2]["role"] == "assistant"
@@ -48,7 +43,7 @@ def test_openai_policy_against_a_loopback_server(tmp_path: Path) -> None:
         assert len(server.behaviour.requests) == 4
         assert server.behaviour.requests[0]["messages"][0]["role"] == "system"
     assert summary.episodes == 4 and summary.mean_tokens == 7
-    assert all("boxed{42}" in r["transcript"][-2]["content"] for r in _episodes(tmp_path))
+    assert all("boxed{42}" in r["transcript"][-2]["content"] for r in read_episodes(tmp_path))
 
 
 def test_transient_server_errors_are_retried_with_a_bound() -> None:
@@ -115,7 +110,7 @@ def test_a_sigkilled_run_resumes_with_nothing_lost_or_repeated(tmp_path: Path) -
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=120)
     after = log.read_bytes()
     assert after.startswith(before)  # finished episodes were kept as they were
-    assert sorted(r["episode"] for r in _episodes(run)) == list(range(12))
+    assert sorted(r["episode"] for r in read_episodes(run)) == list(range(12))
 
 
 def test_resumed_oracle_run_equals_an_unbroken_run(tmp_path: Path) -> None:
@@ -126,7 +121,7 @@ def test_resumed_oracle_run_equals_an_unbroken_run(tmp_path: Path) -> None:
     asyncio.run(evaluate(unbroken, OraclePolicy(), tmp_path / "b", progress=False))
 
     def by_episode(run: Path) -> list[tuple]:
-        return sorted((r["episode"], r["task_id"], r["reward"]) for r in _episodes(run))
+        return sorted((r["episode"], r["task_id"], r["reward"]) for r in read_episodes(run))
 
     assert by_episode(tmp_path / "a") == by_episode(tmp_path / "b")
 
@@ -182,14 +177,14 @@ def test_local_sampler_policy_plays_an_episode(tmp_path: Path) -> None:
     config = EvalConfig(GSM8K, "local:tiny", episodes=2, env_kwargs={"max_turns": 2})
     summary = asyncio.run(evaluate(config, policy, tmp_path, concurrency=2, progress=False))
     assert summary.episodes == 2 and summary.errors == 0
-    record = _episodes(tmp_path)[0]
+    record = read_episodes(tmp_path)[0]
     assert 1 <= record["completion_tokens"] <= 16 and record["prompt_tokens"] > 20
 
 
 def test_episodes_cover_distinct_tasks_before_any_repeats(tmp_path: Path) -> None:
     config = EvalConfig(GSM8K, "oracle", episodes=60, seed=1)
     asyncio.run(evaluate(config, OraclePolicy(), tmp_path, concurrency=8, progress=False))
-    by_episode = {r["episode"]: r["task_id"] for r in _episodes(tmp_path)}
+    by_episode = {r["episode"]: r["task_id"] for r in read_episodes(tmp_path)}
     first = [by_episode[i] for i in range(54)]  # the bundled set has 54 problems
     assert len(set(first)) == 54
     assert [by_episode[i] for i in range(54, 60)] == first[:6]
@@ -247,7 +242,7 @@ def test_an_acknowledged_episode_line_is_already_in_the_file(tmp_path: Path) -> 
         asyncio.run(write_all())
     finally:
         log.close()
-    assert [r["episode"] for r in _episodes(tmp_path)] == list(range(50))
+    assert [r["episode"] for r in read_episodes(tmp_path)] == list(range(50))
 
 
 def test_after_a_failed_commit_no_line_is_acknowledged(

@@ -18,12 +18,7 @@ from agent_gym.eval import (
     summarize,
 )
 from agent_gym.policies import PolicyInput, Reply
-
-GSM8K = "agent_gym/GSM8K-v0"
-
-
-def _episodes(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+from tests.helpers.eval_runs import GSM8K, read_episodes
 
 
 def test_pass_at_k_matches_hand_computed_values() -> None:
@@ -80,7 +75,7 @@ def test_rollouts_report_pass_at_k_and_resume_per_rollout(tmp_path: Path) -> Non
     config = EvalConfig(GSM8K, "by-rollout", episodes=3, rollouts_per_task=3)
     policy = ByRollout()
     summary = asyncio.run(_run(config, policy, tmp_path))
-    records = _episodes(tmp_path)
+    records = read_episodes(tmp_path)
     assert sorted((r["episode"], r["rollout"]) for r in records) == [
         (e, r) for e in range(3) for r in range(3)]
     assert len({r["seed"] for r in records}) == 9  # distinct seeds

@@ -15,6 +15,11 @@ from agent_gym.policies import OraclePolicy, PolicyInput, Reply
 GSM8K = "agent_gym/GSM8K-v0"
 
 
+def read_episodes(run: Path) -> list[dict[str, Any]]:
+    """The episode records of a run directory, in the order they were written."""
+    return [json.loads(line) for line in (run / "episodes.jsonl").read_text().splitlines()]
+
+
 class WrongOnPolicy:
     """The oracle, except on the tasks in ``wrong``, where it answers a number no task has."""
 

@@ -62,9 +62,10 @@ def test_tracebacks_start_in_the_cell_and_quote_it(stateless: StatelessSandbox) 
 
 
 def test_stateless_calls_share_nothing_and_replay_identically(stateless: StatelessSandbox) -> None:
-    stateless.run("secret = 41\nopen('/tmp/state', 'w').write('x')")
+    state = "import os, tempfile\npath = os.path.join(tempfile.gettempdir(), 'state')\n"
+    stateless.run(state + "secret = 41\nopen(path, 'w').write('x')")
     assert stateless.run("secret").error == "NameError"
-    assert stateless.run("import os\nos.path.exists('/tmp/state')").stdout == "False\n"
+    assert stateless.run(state + "os.path.exists(path)").stdout == "False\n"
     code = "import random\nprint(random.random(), {'b', 'a', 'c'}, hash('agent'))"
     first = stateless.run(code).stdout
     assert first == stateless.run(code).stdout

@@ -250,7 +250,8 @@ def test_endless_output_is_capped_and_the_tail_kept(sandbox: StatelessSandbox) -
     assert result.stdout_omitted > 0
     assert len(result.stdout.encode()) <= LIMITS.output_bytes
     assert "output size limit" in result.observation()
-    big = sandbox.run("open('/tmp/big', 'wb').write(b'x' * (2 << 20))")
+    big = sandbox.run("import os, tempfile\n"
+                      "open(os.path.join(tempfile.gettempdir(), 'big'), 'wb').write(b'x' * (2 << 20))")
     assert big.error == "OSError" and "File too large" in big.stderr
 
 
