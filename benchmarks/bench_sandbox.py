@@ -5,7 +5,8 @@ Modes, all running ``print(1 + 1)``:
 - ``plain``: the unisolated baseline, ``subprocess.run([python, "-S", "-c", code])`` with
   captured output, measured in the same run;
 - ``forkserver``: stateless calls as they run by default, each a freshly forked and fully
-  isolated child of one warm sandboxed interpreter (numpy, sympy, mpmath imported);
+  isolated child of a warm sandboxed interpreter (for this code, which names no math
+  module, the lean fork-server: the standard library imported);
 - ``per-call``: a fresh bwrap sandbox and interpreter per call (``forkserver=False``);
 - ``pooled``: per-call sandboxes pre-started by a pool of 4;
 - ``stateful``: one persistent sandboxed interpreter per client (a notebook).
@@ -18,6 +19,11 @@ Two phases per mode and concurrency (1, 2, 4 client threads):
 
 Ratios are against ``plain`` at the same concurrency; ``forkserver_targets`` says whether
 the fork-server met issue 19's bar (p50 <= 0.3x, throughput >= 2x plain at every level).
+
+A second table, ``math_results``, runs a cell that uses the math stack
+(``MATH_CODE``: sympy) in ``plain`` (with site-packages, so the import is paid per call) and
+``forkserver`` (the math fork-server, where sympy is already imported), with fewer paced
+calls because a plain call takes most of a second.
 The load average is recorded because the host is shared. Writes
 ``benchmarks/results/sandbox.json`` and prints a table. Takes about a minute.
 
@@ -41,24 +47,42 @@ from typing import Any
 from agent_gym.sandbox import Limits, StatefulSandbox, open_sandbox
 
 CODE = "print(1 + 1)"
+MATH_CODE = "import sympy\nprint(sympy.factorint(2**32 + 1))"
+EXPECTED = {CODE: "2\n", MATH_CODE: "{641: 1, 6700417: 1}\n"}
 RESULTS = Path(__file__).parent / "results" / "sandbox.json"
 Call = Callable[[], None]
 
 
-def _plain() -> Call:
+def _plain(code: str = CODE) -> Call:
+    flags = ["-S"] if code == CODE else []  # the math cell needs site-packages
+
     def run() -> None:
-        out = subprocess.run([sys.executable, "-S", "-c", CODE], capture_output=True, text=True)
-        assert out.stdout == "2\n", out
+        out = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True)
+        assert out.stdout == EXPECTED[code], out
 
     return run
 
 
-def _checked(run: Callable[[str], Any]) -> Call:
+def _checked(run: Callable[[str], Any], code: str = CODE) -> Call:
     def call() -> None:
-        result = run(CODE)
-        assert result.stdout == "2\n", result.observation()
+        result = run(code)
+        assert result.stdout == EXPECTED[code], result.observation()
 
     return call
+
+
+def _rows(figures: dict[str, dict[str, float]], concurrency: int) -> list[dict[str, Any]]:
+    base = figures["plain"]
+    return [
+        {
+            "mode": mode,
+            "concurrency": concurrency,
+            **figure,
+            "p50_vs_plain": round(figure["p50_ms"] / base["p50_ms"], 3),
+            "throughput_vs_plain": round(figure["throughput_per_s"] / base["throughput_per_s"], 2),
+        }
+        for mode, figure in figures.items()
+    ]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -135,6 +159,7 @@ def main() -> None:
     pooled = open_sandbox("stateless", limits=limits, pool_size=4, forkserver=False)
     notebooks = [open_sandbox("stateful", limits=limits) for _ in range(4)]
     rows: list[dict[str, Any]] = []
+    math_rows: list[dict[str, Any]] = []
     try:
         for notebook in notebooks:  # start the interpreters before timing
             notebook.run("pass")
@@ -148,19 +173,18 @@ def main() -> None:
                 "stateful": [_checked(nb.run) for nb in notebooks[:concurrency]],
             }
             figures = {mode: measure(calls, paced, seconds) for mode, calls in modes.items()}
-            base = figures["plain"]
-            for mode, figure in figures.items():
-                rows.append(
-                    {
-                        "mode": mode,
-                        "concurrency": concurrency,
-                        **figure,
-                        "p50_vs_plain": round(figure["p50_ms"] / base["p50_ms"], 3),
-                        "throughput_vs_plain": round(
-                            figure["throughput_per_s"] / base["throughput_per_s"], 2
-                        ),
-                    }
-                )
+            rows += _rows(figures, concurrency)
+        forked.run(MATH_CODE)  # start the math fork-server before timing
+        for concurrency in (1, 2, 4):
+            math_modes = {
+                "plain": [_plain(MATH_CODE) for _ in range(concurrency)],
+                "forkserver": [_checked(forked.run, MATH_CODE) for _ in range(concurrency)],
+            }
+            figures = {
+                mode: measure(calls, max(2, paced // 5), seconds)
+                for mode, calls in math_modes.items()
+            }
+            math_rows += _rows(figures, concurrency)
     finally:
         forked.close()
         stateless.close()
@@ -182,6 +206,8 @@ def main() -> None:
         f"{seconds} s; ratios against the plain subprocess at the same concurrency",
         "results": rows,
         "forkserver_targets": _targets(rows),
+        "math_workload": MATH_CODE,
+        "math_results": math_rows,
     }
     if not args.quick:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -190,12 +216,15 @@ def main() -> None:
         f"{'mode':<11}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}{'p50 x':>8}{'tput x':>8}"
     )
     print(f"load average {load_at_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
-    print(header)
-    for row in rows:
-        print(
-            f"{row['mode']:<11}{row['concurrency']:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}"
-            f"{row['throughput_per_s']:>9}{row['p50_vs_plain']:>8}{row['throughput_vs_plain']:>8}"
-        )
+    for title, table in ((CODE, rows), (MATH_CODE.replace("\n", "; "), math_rows)):
+        print(title)
+        print(header)
+        for row in table:
+            print(
+                f"{row['mode']:<11}{row['concurrency']:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}"
+                f"{row['throughput_per_s']:>9}{row['p50_vs_plain']:>8}"
+                f"{row['throughput_vs_plain']:>8}"
+            )
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ _PR_CAP_AMBIENT_CLEAR_ALL, _CAPABILITY_VERSION_3, _SIGKILL = 4, 0x20080522, 9
 _LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF, _LANDLOCK_VERSION = 444, 446, 1
 _LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, _LANDLOCK_SCOPE_SIGNAL = 1, 2
 _MAX_STATUS = 512
+_MADV_COLLAPSE, _HUGE_PAGE = 25, 2 << 20
 
 
 class _Kernel:
@@ -248,6 +249,25 @@ class _Kernel:
         self.set_capabilities(0)
         self.check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
+    def collapse_heap(self) -> None:
+        """Back the warm heap with huge pages where the kernel can (``MADV_COLLAPSE``,
+        Linux 6.1+; elsewhere a no-op). A fork copies one entry per 2 MiB of a huge page
+        instead of 512, and an exit frees as few: with the math stack imported that is
+        ~0.7 ms of every call. A page a child writes to is still copied alone (the kernel
+        splits the huge mapping in that child)."""
+        ctypes = self.ctypes
+        madvise = self.libc.madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        with open("/proc/self/maps") as handle:
+            regions = [line.split() for line in handle]
+        for fields in regions:
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            anonymous = len(fields) < 6 or fields[5] == "[heap]"
+            start = (low + _HUGE_PAGE - 1) & -_HUGE_PAGE
+            end = high & -_HUGE_PAGE
+            if anonymous and fields[1].startswith("rw") and end > start:
+                madvise(start, end - start, _MADV_COLLAPSE)  # best effort: errors ignored
+
     def scope(self) -> None:
         """A Landlock domain of its own: no connecting to abstract unix sockets, and no
         signals, outside it (the other calls and the server share its network namespace)."""
@@ -271,7 +291,7 @@ def _write(path: str, text: str) -> None:
         os.close(fd)
 
 
-def _isolate(kernel: _Kernel, config: dict) -> None:
+def _isolate(kernel: _Kernel, config: dict, trees: list[str]) -> None:
     """Give a freshly forked child the isolation a fresh bwrap sandbox would have.
 
     The child is already pid 1 of a pid namespace of its own (the server unshared it before
@@ -305,8 +325,7 @@ def _isolate(kernel: _Kernel, config: dict) -> None:
     # imported yet would be gone. The server's /tmp is parked on /dev/shm, those trees are
     # bound back into the new /tmp and made read-only (a bind is writable whatever its
     # source: without the remount, model code could write into the host's venv), and the
-    # park goes.
-    trees = _interpreter_trees_under_tmp()
+    # park goes. (``trees`` are those mounts; the server reads them once.)
     if trees:
         check(libc.mount(b"/tmp", b"/dev/shm", None, _MS_BIND | _MS_REC, None), "park /tmp")
     check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs), "tmpfs")
@@ -381,13 +400,6 @@ def _fresh_interpreter_state() -> None:
             sys.meta_path.insert(0, _SeedRandomOnImport(name))
 
 
-def _warm_up() -> None:
-    """Run a throwaway cell while waiting for the call, so the pages a cell's compile, exec
-    and print write to are copied from the server now rather than during the call. It
-    leaves nothing behind: its namespace and output are its own and are dropped."""
-    _run_cell("print(repr(6 * 7), file=sink)", {"sink": io.StringIO(), "__builtins__": builtins}, 0)
-
-
 def _read_all(fd: int) -> bytes:
     """The whole file, from its start whatever the shared file offset says."""
     chunks = []
@@ -396,7 +408,7 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w: int) -> None:
+def _spare(server: "_Server", sock: object, status_w: int) -> None:
     """Runs in a forked child and never returns: isolate, wait for one call, run it, exit.
 
     Everything but the child's own socket and status pipe is closed first, so it holds
@@ -414,10 +426,9 @@ def _spare(kernel: _Kernel, config: dict, baseline: int, sock: object, status_w:
         for low, high in zip(keep, [*keep[1:], 1 << 20], strict=True):
             os.closerange(low + 1, high)
         try:
-            _isolate(kernel, config)
-            _child_limits(config, baseline)
+            _isolate(server.kernel, server.config, server.trees)
+            _child_limits(server.config, server.baseline)
             _fresh_interpreter_state()  # its streams write to whatever fds 1 and 2 become
-            _warm_up()
             _, fds, _, _ = socket.recv_fds(sock, 16, 4)
             if len(fds) != 4:  # the server is shutting down
                 os._exit(0)
@@ -481,6 +492,7 @@ class _Server:
 
         self.kernel, self.config, self.own_pidns = kernel, config, own_pidns
         self.baseline = baseline
+        self.trees = _interpreter_trees_under_tmp()
         self.poller = select.poll()
         self.readable = select.POLLIN
         self.watched: dict[int, _Child] = {}
@@ -505,7 +517,7 @@ class _Server:
         try:
             pid = os.fork()
             if pid == 0:
-                _spare(self.kernel, self.config, self.baseline, theirs, status_w)
+                _spare(self, theirs, status_w)
         finally:
             # The server's own later children (the next spare included) start from here.
             self.kernel.check(self.kernel.libc.setns(self.own_pidns, _NEWPID), "setns pid")
@@ -643,6 +655,7 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
     gc.collect()
     gc.freeze()  # a child's collections never touch (and so never copy) the warm heap
     kernel.libc.malloc_trim(0)  # fewer mapped pages: every fork copies their page tables
+    kernel.collapse_heap()
     if len(os.listdir("/proc/self/task")) != 1:
         raise SystemExit("the fork-server must be single-threaded to fork safely")
     with open("/proc/self/status") as f:

@@ -26,16 +26,20 @@ SANDBOX_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
-# What the fork-server imports once so that no call pays for it: the standard library a
-# math cell reaches for, the traceback machinery, and the math packages where installed.
-# Every mapped page costs each fork (its page table is copied and torn down), so rarely
-# used parts stay out: numpy.random alone cost ~0.8 ms a call (it is seeded on import).
+# What a fork-server imports once so that no call pays for it: the standard library a
+# math cell reaches for and the traceback machinery. Every page the server has written
+# costs each fork (its page table entry is copied and torn down, and a page either side
+# writes to is copied), so rarely used parts stay out: numpy.random alone cost ~0.8 ms a
+# call (it is seeded on import).
 FORKSERVER_PRELOAD = (
     "array", "bisect", "cmath", "collections", "contextlib", "datetime", "decimal",
     "fractions", "functools", "heapq", "itertools", "json", "linecache", "math", "operator",
     "random", "re", "statistics", "string", "time", "traceback", "typing",
-    "numpy", "mpmath", "sympy",
 )  # fmt: skip
+# The math packages, where installed, are warm in a second fork-server that serves the calls
+# whose code names one of them. Their ~40 MB of heap cost every fork ~1.5 ms of CPU, which
+# code that never touches them should not pay (see forkserver.ForkServer).
+FORKSERVER_MATH_STACK = ("numpy", "mpmath", "sympy")
 # Children the fork-server keeps forked and isolated ahead of calls (enough for four
 # concurrent callers to find one ready; each costs little more than its page tables).
 FORKSERVER_SPARES = 4

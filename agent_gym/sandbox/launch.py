@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym.sandbox.config import (
-    FORKSERVER_PRELOAD,
     FORKSERVER_SPARES,
     ISOLATIONS,
     NOBODY,
@@ -229,12 +228,14 @@ class Launcher:
             warnings.warn(RLIMITS_WARNING, RuntimeWarning, stacklevel=2)
             log.warning(RLIMITS_WARNING)
 
-    def _worker_config(self, single: bool, forkserver: bool) -> dict[str, Any]:
+    def _worker_config(
+        self, single: bool, forkserver: bool, warm: Sequence[str]
+    ) -> dict[str, Any]:
         return {
             **asdict(self.limits),
             "single": single,
             "preload": list(self.preload),
-            "preload_optional": list(FORKSERVER_PRELOAD) if forkserver else [],
+            "preload_optional": list(warm),
             "forkserver": forkserver,
             "spares": FORKSERVER_SPARES,
             "path": self._site_paths or [],
@@ -285,11 +286,14 @@ class Launcher:
             argv += ["--setenv", key, value]
         return [*argv, "--"]
 
-    def spawn(self, *, single: bool, forkserver: bool = False) -> WorkerProcess:
+    def spawn(
+        self, *, single: bool, forkserver: bool = False, warm: Sequence[str] = ()
+    ) -> WorkerProcess:
         """Start one worker (it becomes ready in the background; see ``WorkerProcess``).
 
         ``forkserver=True`` starts the fork-server program instead (bwrap isolation only),
-        with a ``SOCK_SEQPACKET`` socket for its requests as ``WorkerProcess.requests``.
+        with a ``SOCK_SEQPACKET`` socket for its requests as ``WorkerProcess.requests``; it
+        imports the modules of ``warm`` that are installed before it forks any call.
         """
         if forkserver and self._bwrap is None:
             raise ValueError("the fork-server needs isolation='bwrap'")
@@ -369,7 +373,7 @@ class Launcher:
         )
         # The configuration is the first request; it fits in the pipe buffer, so this
         # returns at once even though the worker is still starting.
-        config = self._worker_config(single, forkserver)
+        config = self._worker_config(single, forkserver, warm)
         worker.send(config, time.monotonic() + self.limits.startup_timeout)
         return worker
 

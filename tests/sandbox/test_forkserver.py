@@ -1,9 +1,10 @@
 """The fork-server: no call leaves anything for the next, and a broken server is replaced.
 
-Every stateless call is a child forked from one warm sandboxed interpreter, so these tests
-change everything a call could change and check that the next call sees none of it; run
-calls side by side and check they cannot reach each other; and kill, stop and trace the
-server from the host to check it is replaced.
+Every stateless call is a child forked from a warm sandboxed interpreter (a lean one, or one
+with the math stack imported for code that names it), so these tests change everything a
+call could change on either and check that the next call sees none of it; run calls side by
+side and check they cannot reach each other; and kill, stop and trace the server from the
+host to check it is replaced.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from agent_gym.sandbox import Limits, SandboxError, StatelessSandbox, open_sandbox, runner
 from agent_gym.sandbox.config import SANDBOX_TMP
-from agent_gym.sandbox.forkserver import ForkServer
+from agent_gym.sandbox.forkserver import ForkServer, Warmth, warmth
 from tests.helpers.procs import live_pids_of, marked, wait_until
 
 LIMITS = Limits(timeout=10.0, cpu_seconds=5, memory_bytes=256 << 20, output_bytes=8192)
@@ -124,14 +125,38 @@ LEAVE_TRACES = LEAVE_TRACES.replace("@TMP@", SANDBOX_TMP)
 FIND_TRACES = FIND_TRACES.replace("@TMP@", SANDBOX_TMP)
 
 
-def test_a_call_leaves_nothing_for_the_next(box: StatelessSandbox) -> None:
-    before = _ok(box, FIND_TRACES)
+@pytest.mark.parametrize("kind", ["lean", "math"])
+def test_a_call_leaves_nothing_for_the_next(box: StatelessSandbox, kind: Warmth) -> None:
+    # On the math server numpy's module state is one more thing a call could leave behind.
+    leave, find = textwrap.dedent(LEAVE_TRACES), textwrap.dedent(FIND_TRACES)
+    if kind == "math":
+        leave = "import numpy\nnumpy.random.seed(5)\nnumpy.pi = 3\n" + leave
+        find = find.replace("found = []", textwrap.dedent("""\
+            import numpy
+            found = [] if numpy.pi > 3 else ['numpy patched']
+            if numpy.random.randint(10**9) != numpy.random.RandomState(0).randint(10**9):
+                found.append('numpy random state')"""))
+    assert warmth(leave) == warmth(find) == kind
+    before = _ok(box, find)
     assert before == "[]\n"  # the check itself finds nothing on a clean call
-    traces = _ok(box, LEAVE_TRACES)
+    traces = _ok(box, leave)
     assert "done" in traces and "shm -1" not in traces, traces
     for _ in range(3):  # whichever spare serves the next calls
-        assert _ok(box, FIND_TRACES) == "[]\n"
+        assert _ok(box, find) == "[]\n"
     assert wait_until(lambda: not marked("73.1234")), "background processes outlived the call"
+
+
+def test_code_that_names_the_math_stack_runs_where_it_is_warm() -> None:
+    assert warmth("import sympy as sp") == warmth("from numpy.linalg import inv") == "math"
+    assert warmth("x = mpmath.mpf(1)  # any mention, even in a comment") == "math"
+    assert warmth("import numpyro, mysympy\nprint(1)") == warmth("print('hi')") == "lean"
+    assert warmth("a" * 200_000 + " numpy") == "math"  # one linear scan, however long
+
+
+def test_the_lean_server_still_imports_anything(box: StatelessSandbox) -> None:
+    code = "m = __import__('num' + 'py')\nprint(m.arange(3).sum())"
+    assert warmth(code) == "lean"
+    assert _ok(box, code) == "3\n"  # an import from disk, as a fresh interpreter does it
 
 
 def test_the_check_for_traces_can_fail(box: StatelessSandbox) -> None:
@@ -235,8 +260,11 @@ def test_the_math_stack_is_warm_and_memory_is_the_codes_own(box: StatelessSandbo
 
 
 def _server_pid(box: StatelessSandbox) -> int:
-    assert box.forkserver is not None and box.forkserver._server is not None
-    return box.forkserver._server.pid
+    """The lean server's host pid (the calls in these tests name no math module)."""
+    assert box.forkserver is not None
+    server = box.forkserver._servers["lean"]
+    assert server is not None
+    return server.pid
 
 
 def _status(pid: int) -> str:

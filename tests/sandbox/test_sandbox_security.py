@@ -57,14 +57,13 @@ def _forkserver_processes() -> set[int]:
     """
     own: set[int] = set()
     for box in _OPEN:
-        server = box.forkserver._server if box.forkserver else None
-        if server is None:
-            continue
-        children = _children(server.pid)
-        bwrap = server.worker.popen.pid
-        own |= {bwrap, *_children(bwrap), server.pid}
-        if len(children) <= FORKSERVER_SPARES:
-            own |= children
+        servers = box.forkserver._servers.values() if box.forkserver else ()
+        for server in filter(None, servers):
+            children = _children(server.pid)
+            bwrap = server.worker.popen.pid
+            own |= {bwrap, *_children(bwrap), server.pid}
+            if len(children) <= FORKSERVER_SPARES:
+                own |= children
     return own
 
 
