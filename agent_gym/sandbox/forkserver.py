@@ -1,4 +1,4 @@
-"""Stateless calls forked from one warm, sandboxed interpreter (the host side of the fork-server).
+"""Stateless calls forked from warm, sandboxed interpreters (the host side of the fork-servers).
 
 A fresh bwrap sandbox per call costs a bwrap start and an interpreter start (~25 ms, and
 ~0.5x the throughput of a plain subprocess even when pre-started). A fork-server is a

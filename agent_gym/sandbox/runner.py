@@ -66,7 +66,7 @@ class StatelessSandbox:
     """Every call runs in a fresh sandboxed interpreter that is killed right after it.
 
     With a ``forkserver`` (``engine == "forkserver"``) each call is a freshly forked, fully
-    isolated child of one warm sandboxed interpreter (see ``forkserver``). Otherwise
+    isolated child of a warm sandboxed interpreter (see ``forkserver``). Otherwise
     (``engine == "per-call"``) each call starts a bwrap sandbox and an interpreter of its
     own; with ``pool_size > 0`` that many are kept started ahead of time (each still serves
     exactly one call) and replaced in the background. Thread-safe.
