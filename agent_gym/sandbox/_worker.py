@@ -14,8 +14,9 @@ cell; a persistent one keeps its globals between cells. Startup imports are kept
 minimum because they are paid on every stateless call.
 
 With ``"forkserver": true`` in the configuration the program is instead a fork-server (see
-``_serve``): it imports the math stack once, then forks one fully isolated child per request
-received on a third fd, a unix socket.
+``_serve``): it imports the modules of ``preload_optional`` once (the standard library a
+cell reaches for, and in one of the two servers the math stack), then forks one fully
+isolated child per request received on a third fd, a unix socket.
 """
 
 import _ast
