@@ -176,8 +176,8 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
             figures = {
                 "seconds": round(elapsed, 1),
                 "sampled_tokens": sampled,
-                "sampler_calls": sum(len(e.turns) for e in episodes),
-                "turns_mean": round(sum(len(e.turns) for e in episodes) / len(episodes), 2),
+                "sampler_calls": sum(e.turns for e in episodes),
+                "turns_mean": round(sum(e.turns for e in episodes) / len(episodes), 2),
                 "end_reasons": dict(Counter(e.end_reason for e in episodes)),
                 "tok_s": round(sampled / elapsed, 2),
                 "load_after": load(),
