@@ -206,6 +206,7 @@ class BatchEngine:
         self._rows: list[_Row] = []
         self._cache: Cache | None = None
         self._incoming = 0  # rows admitted in this round that have not joined yet
+        self._done: list[SampleRequest] = []  # finished in this round, resolved at its end
 
     # ----------------------------------------------------------------- submission
     def submit(self, request: SampleRequest) -> Future[list[Sampled]]:
@@ -253,6 +254,22 @@ class BatchEngine:
                 self.stats.busy_cpu_seconds += time.thread_time() - started_cpu
             except Exception as error:
                 self._fail_all(error, admitted)
+            finally:
+                self._deliver()
+
+    def _deliver(self) -> None:
+        """Resolve the calls finished in this round, after its last torch operation.
+
+        A caller may exit as soon as its future resolves; if this daemon thread were then
+        still inside a torch operation (which releases the GIL), re-taking the GIL during
+        interpreter shutdown would end the thread by unwinding through C++ frames that
+        forbid it, and the process would abort ("terminate called without an active
+        exception"). After delivery the thread only runs plain Python until it idles.
+        """
+        done, self._done = self._done, []
+        for request in done:
+            if not request.future.done():
+                request.future.set_result([r for r in request.results if r is not None])
 
     def _take_admissible(self) -> list[SampleRequest]:  # under self._lock
         taken: list[SampleRequest] = []
@@ -271,7 +288,7 @@ class BatchEngine:
         requests.update({id(r): r for r in admitted})
         self._rows, self._cache = [], None
         for request in requests.values():
-            if not request.future.done():
+            if request.remaining and not request.future.done():  # finished ones are delivered
                 request.future.set_exception(error)
 
     # ----------------------------------------------------------------- prefill
@@ -382,8 +399,8 @@ class BatchEngine:
             self.prefix_cache.put(known, tuple((k.clone(), v.clone()) for k, v in layers))
         request.results[row.index] = (row.tokens, row.logprobs, row.reason)
         request.remaining -= 1
-        if request.remaining == 0 and not request.future.done():
-            request.future.set_result([r for r in request.results if r is not None])
+        if request.remaining == 0:
+            self._done.append(request)
 
     # ----------------------------------------------------------------- drawing
     def _draw(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[tuple[int, float]]:
