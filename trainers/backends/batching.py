@@ -102,7 +102,9 @@ class EngineStats:
     decode_steps: int = 0
     decoded_rows: int = 0  # sum over steps of rows in the batch
     max_batch_rows: int = 0
+    steps_by_rows: dict[int, int] = field(default_factory=dict)  # rows in the batch -> steps
     busy_seconds: float = 0.0  # wall time spent prefilling and decoding
+    prefill_seconds: float = 0.0  # the part of it spent admitting calls (prefill, joining)
     busy_cpu_seconds: float = 0.0  # CPU time of the engine thread meanwhile (load-robust)
 
 
@@ -248,6 +250,7 @@ class BatchEngine:
                     for request in admitted:
                         self._incoming -= request.num_samples
                         self._admit(request)
+                    self.stats.prefill_seconds += time.perf_counter() - started
                     if self._rows:
                         self._step()
                 self.stats.busy_seconds += time.perf_counter() - started
@@ -356,6 +359,7 @@ class BatchEngine:
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(rows)
         self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(rows))
+        self.stats.steps_by_rows[len(rows)] = self.stats.steps_by_rows.get(len(rows), 0) + 1
         for row in rows:
             row.length += 1
         chosen = self._draw(rows, out.logits[:, -1].float())
