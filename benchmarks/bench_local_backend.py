@@ -8,7 +8,12 @@
   baseline: Hugging Face ``generate`` on one row. Three rates each: per wall second of the
   rollout (env work included), per second the sampler was busy, and per CPU second of the
   sampling thread; the last barely moves with other processes' load, which on a shared
-  machine changes between the phases of one run.
+  machine changes between the phases of one run. All three run on the same model object,
+  whose linear weights the sampler stores transposed (``sampler.lay_out_for_decoding``),
+  so the baselines get that speed-up too and the ratios are the engine's alone. The
+  batched run also gives its time split (prefill, decode, env) and the rate decoding
+  alone reached, and ``decode_step_cost`` what one decode step costs at 1-32 rows and
+  400/1000 positions: together they show what bounds the ratio.
 - prefill: prompt tokens run through the model per turn over a 10-turn ALFWorld episode,
   with the prefix cache and without it (same seeds, hence the same episode).
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
@@ -176,8 +181,8 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
             figures = {
                 "seconds": round(elapsed, 1),
                 "sampled_tokens": sampled,
-                "sampler_calls": sum(len(e.turns) for e in episodes),
-                "turns_mean": round(sum(len(e.turns) for e in episodes) / len(episodes), 2),
+                "sampler_calls": sum(e.turns for e in episodes),
+                "turns_mean": round(sum(e.turns for e in episodes) / len(episodes), 2),
                 "end_reasons": dict(Counter(e.end_reason for e in episodes)),
                 "tok_s": round(sampled / elapsed, 2),
                 "load_after": load(),
@@ -190,15 +195,29 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
                         "tok_per_sampler_cpu_s": round(sampled / cpu, 2)}
             if isinstance(sampler, LocalSamplingClient):
                 stats = sampler.stats
+                decode = stats.busy_seconds - stats.prefill_seconds
                 figures |= {
                     "prefill_tokens": stats.prefill_tokens,
                     "reused_prefix_tokens": stats.reused_tokens,
                     "mean_batch_rows": round(stats.decoded_rows / max(1, stats.decode_steps), 1),
                     "max_batch_rows": stats.max_batch_rows,
+                    # Where the rollout's time went, and what decoding alone would reach.
+                    "time_split": {
+                        "prefill_seconds": round(stats.prefill_seconds, 1),
+                        "decode_seconds": round(decode, 1),
+                        "env_and_other_seconds": round(elapsed - stats.busy_seconds, 1),
+                        "prefill_share": round(stats.prefill_seconds / elapsed, 3),
+                    },
+                    "decode_steps": stats.decode_steps,
+                    "decode_steps_by_rows": _bands(stats.steps_by_rows),
+                    "tok_s_if_prefill_were_free": round(sampled / decode, 2),
                 }
             row[label] = figures
             print(f"{name} {label}: {figures}", file=sys.stderr, flush=True)
         row["batched_vs_one_row"] = round(row["batched"]["tok_s"] / one_row, 2)
+        row["decode_only_vs_one_row"] = round(
+            row["batched"]["tok_s_if_prefill_were_free"] / one_row, 2
+        )
         row["batched_vs_today"] = round(row["batched"]["tok_s"] / row["today"]["tok_s"], 2)
         row["while_sampling_batched_vs_today"] = round(
             row["batched"]["tok_s_while_sampling"] / row["today"]["tok_s_while_sampling"], 2
@@ -215,7 +234,59 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
         )
         pool.close()
         results[name] = row
+    results["decode_step_cost"] = bench_decode_steps(service)
     return results
+
+
+def _bands(steps_by_rows: dict[int, int]) -> dict[str, dict[str, int]]:
+    """Decode steps and the tokens they sampled, by how many rows the batch held."""
+    bands = {"1-7": (1, 7), "8-19": (8, 19), "20+": (20, 1 << 30)}
+    return {
+        name: {"steps": sum(n for r, n in steps_by_rows.items() if lo <= r <= hi),
+               "tokens": sum(r * n for r, n in steps_by_rows.items() if lo <= r <= hi)}
+        for name, (lo, hi) in bands.items()
+    }
+
+
+def bench_decode_steps(
+    service: LocalServiceClient, rows: Sequence[int] = (1, 4, 8, 16, 32),
+    contexts: Sequence[int] = (400, 1000), tokens: int = 16,
+) -> dict[str, Any]:
+    """What one decode step of the engine costs with ``rows`` rows at ``contexts`` positions
+    (rows of one call, so one prefill): the ceiling a batch of that shape puts on sampled
+    tokens/s, whatever the rollout around it does."""
+    base = service.create_sampling_client("smollm2")
+    renderer = ChatRenderer(base.tokenizer)
+    opening = gymnasium_opening("agent_gym/ALFWorld-v0", {"protocol": "text"})
+    prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
+    out: dict[str, Any] = {"sampled_per_row": tokens}
+    for context in contexts:
+        tokens_in = (prompt * (context // len(prompt) + 1))[:context]
+        for count in rows:
+            sampler = LocalSamplingClient(base.model, base.tokenizer, "smollm2",
+                                          kv_cache_bytes=0)
+            # A stop id no row samples in 16 tokens, so every row decodes all of them.
+            params = SamplingParams(max_tokens=tokens, seed=count, stop=[0])
+            sampler.sample(ModelInput.from_ints(tokens_in), count, params).result()
+            stats = sampler.stats
+            step = (stats.busy_seconds - stats.prefill_seconds) / stats.decode_steps
+            mean_rows = stats.decoded_rows / stats.decode_steps
+            out[f"{count}x{context}"] = {"step_ms": round(step * 1000, 1),
+                                         "mean_rows": round(mean_rows, 1),
+                                         "tok_s": round(mean_rows / step, 1)}
+            print(f"decode {count}x{context}: {out[f'{count}x{context}']}", file=sys.stderr,
+                  flush=True)
+    return out
+
+
+def gymnasium_opening(env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    pool = EnvPool(env_factory(env_id, kwargs, None))
+    env = pool()
+    try:
+        return env.reset(options={"index": 0})[1]
+    finally:
+        env.close()
+        pool.close()
 
 
 # --------------------------------------------------------------------------- prefill

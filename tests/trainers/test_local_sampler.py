@@ -245,3 +245,43 @@ def test_a_failing_batch_fails_its_calls_and_the_engine_serves_on(
     broken = False
     ok = client.sample(ModelInput.from_ints([1, 2]), 2, SamplingParams(max_tokens=3)).result()
     assert [len(s.tokens) for s in ok.sequences] == [3, 3]
+
+
+def test_concurrent_calls_sharing_an_opening_prefill_it_once(
+    service: LocalServiceClient,
+) -> None:
+    """A prompt's keys/values are cached when it is prefilled, so a call admitted after it
+    reuses their shared opening (a system prompt) even before the first call finishes."""
+    client = sampler(service)
+    opening = PROMPTS[2]
+    first, second = [*opening, 1, 2, 3], [*opening, 4, 5]
+    params = SamplingParams(max_tokens=6, seed=1)
+
+    async def both() -> list:
+        return await asyncio.gather(*(client.sample_async(ModelInput.from_ints(p), 2, params)
+                                      for p in (first, second)))
+
+    together = results(asyncio.run(both()))
+    assert client.stats.prefill_tokens == len(first) + len(second) - len(opening)
+    assert client.stats.reused_tokens == len(opening)
+    alone = sampler(service, kv_cache_bytes=0)
+    assert_same(together, results([alone.sample(ModelInput.from_ints(p), 2, params).result()
+                                   for p in (first, second)]))
+
+
+def test_decoding_layout_keeps_every_weight_and_logit(service: LocalServiceClient) -> None:
+    client = service.create_sampling_client("tiny:5")  # already laid out by the sampler
+    fresh = service.create_sampling_client("tiny:5").model
+    with torch.no_grad():
+        for module in fresh.modules():
+            if isinstance(module, torch.nn.Linear):  # back to the row-major layout
+                module.weight.data = module.weight.data.contiguous()
+    ids = torch.tensor([PROMPTS[2]])
+    for (name, laid), (_, plain) in zip(client.model.named_parameters(),
+                                        fresh.named_parameters(), strict=True):
+        assert torch.equal(laid, plain), name
+    linears = [m for m in client.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    with torch.inference_mode():
+        torch.testing.assert_close(client.model(input_ids=ids).logits,
+                                   fresh(input_ids=ids).logits, rtol=0, atol=LOGIT_TOL)

@@ -11,18 +11,22 @@ queue, and one worker thread runs a continuous batch:
   does not hold), its ``num_samples`` rows draw their first token from the prefill's logits
   and join the batch. A row that stops (stop token or string, ``max_tokens``, the context)
   leaves at once; nobody decodes on for it. A call's future resolves when its last row stops.
-* **Ragged rows in one batch.** Rows have different lengths; their keys/values are kept
-  left-padded to a common width, padding masked out of attention, and every row is fed its
-  own position ids, so a row's logits are those it would get alone (up to float rounding).
-  The width shrinks again when the longest rows leave.
+* **Ragged rows in one batch.** Rows have different lengths; each row's keys/values sit in
+  its own slot of one buffer, left-aligned, the columns past its length masked out of
+  attention, and every row is fed its own position ids, so a row's logits are those it
+  would get alone (up to float rounding). A joining row is written into a free slot and a
+  leaving row's slot is refilled by the last row, so neither event copies the rest of the
+  batch (an earlier layout re-padded every row on each join and leave: O(rows x context)
+  per event, a fifth of a multi-turn rollout's time).
 * **Reproducible draws.** Every row has its own ``torch.Generator`` seeded from (call seed,
   row index) and draws with the Gumbel-max trick from its own noise. What a row samples
   therefore depends on its own seed and logits only, not on which other calls happened to
   share the batch or in which order they arrived. (Its logits can differ in the last float
   bits with the batch shape; that changes a draw only if two tokens' perturbed scores tie
   to within that rounding.)
-* **Prefix reuse.** A finished row leaves its keys/values in the sampler's ``PrefixCache``
-  (see ``kvcache``), so the branch's next turn prefills only its new tokens.
+* **Prefix reuse.** A prefilled prompt and a finished row leave their keys/values in the
+  sampler's ``PrefixCache`` (see ``kvcache``): the branch's next turn prefills only its new
+  tokens, and calls sharing an opening (a system prompt) prefill it once.
 
 Other model work of the sampler (``compute_logprobs``) runs on the same thread between
 decode steps, so the model is never used by two threads at once and the process never
@@ -49,6 +53,8 @@ from trainers.backends.runtime import autocast
 
 STOP = "stop"
 LENGTH = "length"
+# Columns reserved past a joining prompt, so the batch is not reallocated at its first steps.
+SPARE_COLUMNS = 64
 
 # (tokens, logprobs, stop_reason) of one sampled sequence.
 Sampled = tuple[list[int], list[float], str]
@@ -96,42 +102,76 @@ class EngineStats:
     decode_steps: int = 0
     decoded_rows: int = 0  # sum over steps of rows in the batch
     max_batch_rows: int = 0
+    steps_by_rows: dict[int, int] = field(default_factory=dict)  # rows in the batch -> steps
     busy_seconds: float = 0.0  # wall time spent prefilling and decoding
+    prefill_seconds: float = 0.0  # the part of it spent admitting calls (prefill, joining)
     busy_cpu_seconds: float = 0.0  # CPU time of the engine thread meanwhile (load-robust)
 
 
-class _GrowingLayer(DynamicLayer):
-    """A batch's keys/values for one layer, in a buffer with spare columns.
+class _SlotLayer(DynamicLayer):
+    """One layer's keys/values of the batch: row ``i`` of the batch lives in slot ``i``.
 
-    ``DynamicLayer.update`` concatenates, copying the whole cache at every decode step
-    (O(width) per token); here a step writes its column in place and the buffer doubles when
-    full, so appending is amortised O(1). ``keys``/``values`` are views of the used columns.
+    A slot holds its row's positions left-aligned (column ``c`` = the row's position ``c``)
+    in a buffer with spare rows and columns, so rows of different lengths need no padding
+    moves: a decode step writes each row's new key at that row's own length, and the
+    attention mask hides every column at or past it. Joining writes one row into a free
+    slot and leaving moves at most one row (the last) into the freed slot, so neither
+    copies the rest of the batch; the buffer is reallocated only when it runs out of room,
+    growing geometrically, so that is amortised O(1) per token.
     """
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, like: torch.Tensor, value_dim: int) -> None:
         super().__init__()
-        self.reset_to(keys, values)
+        _, self.heads, _, self.key_dim = like.shape
+        self.value_dim = value_dim
+        self._keys = like.new_zeros(0, self.heads, 0, self.key_dim)
+        self._values = like.new_zeros(0, self.heads, 0, value_dim)
+        self.device, self.dtype, self.is_initialized = like.device, like.dtype, True
+        self.write_at: torch.Tensor | None = None  # per row: the column the next key goes to
+        self.show(0, 0)
 
-    def reset_to(self, keys: torch.Tensor, values: torch.Tensor, spare: int = 64) -> None:
-        rows, heads, width, dim = keys.shape
-        self._keys = keys.new_empty(rows, heads, width + spare, dim)
-        self._values = values.new_empty(rows, heads, width + spare, values.shape[-1])
-        self._keys[:, :, :width] = keys
-        self._values[:, :, :width] = values
-        self.width = width
-        self.keys, self.values = self._keys[:, :, :width], self._values[:, :, :width]
-        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
+    def reserve(self, rows: int, width: int, keep: int) -> None:
+        """Room for ``rows`` slots of ``width`` columns, keeping what the first ``keep`` slots
+        hold. A reallocation sizes the rows to the need plus a quarter (so single rows can
+        join without one, and a batch that has shrunk gives its memory back) and grows the
+        columns by half, so reallocations stay rare and amortised O(1) per token."""
+        have_rows, have_width = self._keys.shape[0], self._keys.shape[2]
+        if rows <= have_rows and width <= have_width:
+            return
+        new_rows = rows + rows // 4 + 2
+        new_width = max(width, have_width + have_width // 2 + 64) if width > have_width \
+            else have_width
+        self._keys = _regrow(self._keys, new_rows, new_width, keep)
+        self._values = _regrow(self._values, new_rows, new_width, keep)
+
+    def place(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write one row's keys/values ([1, heads, length, dim]) into ``slot``."""
+        length = keys.shape[2]
+        self._keys[slot, :, :length] = keys[0]
+        self._values[slot, :, :length] = values[0]
+
+    def move(self, source: int, target: int, length: int) -> None:
+        self._keys[target, :, :length] = self._keys[source, :, :length]
+        self._values[target, :, :length] = self._values[source, :, :length]
+
+    def row(self, slot: int, length: int) -> LayerKV:
+        """Views of one slot's first ``length`` positions (callers copy what they keep)."""
+        return self._keys[slot : slot + 1, :, :length], self._values[slot : slot + 1, :, :length]
+
+    def show(self, rows: int, width: int) -> None:
+        """What the model sees as the cache: the first ``rows`` slots, ``width`` columns."""
+        self.keys, self.values = self._keys[:rows, :, :width], self._values[:rows, :, :width]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        new = key_states.shape[2]
-        if self.width + new > self._keys.shape[2]:
-            self.reset_to(self.keys, self.values, spare=max(64, self.width))
-        self._keys[:, :, self.width : self.width + new] = key_states
-        self._values[:, :, self.width : self.width + new] = value_states
-        self.width += new
-        self.keys, self.values = self._keys[:, :, : self.width], self._values[:, :, : self.width]
+        # Decode only: one new position per row, written at the row's own length.
+        assert self.write_at is not None and key_states.shape[2] == 1
+        rows, width = self.keys.shape[0], self.keys.shape[2]
+        slots = torch.arange(rows, device=key_states.device)
+        self._keys[slots, :, self.write_at] = key_states[:, :, 0]
+        self._values[slots, :, self.write_at] = value_states[:, :, 0]
+        self.show(rows, width + 1)
         return self.keys, self.values
 
 
@@ -167,6 +207,8 @@ class BatchEngine:
         # The batch: rows, and per layer keys/values [rows, kv_heads, width, head_dim].
         self._rows: list[_Row] = []
         self._cache: Cache | None = None
+        self._incoming = 0  # rows admitted in this round that have not joined yet
+        self._done: list[SampleRequest] = []  # finished in this round, resolved at its end
 
     # ----------------------------------------------------------------- submission
     def submit(self, request: SampleRequest) -> Future[list[Sampled]]:
@@ -204,14 +246,33 @@ class BatchEngine:
             started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 with torch.inference_mode(), autocast(self.device):
+                    self._incoming = sum(r.num_samples for r in admitted)
                     for request in admitted:
+                        self._incoming -= request.num_samples
                         self._admit(request)
+                    self.stats.prefill_seconds += time.perf_counter() - started
                     if self._rows:
                         self._step()
                 self.stats.busy_seconds += time.perf_counter() - started
                 self.stats.busy_cpu_seconds += time.thread_time() - started_cpu
             except Exception as error:
                 self._fail_all(error, admitted)
+            finally:
+                self._deliver()
+
+    def _deliver(self) -> None:
+        """Resolve the calls finished in this round, after its last torch operation.
+
+        A caller may exit as soon as its future resolves; if this daemon thread were then
+        still inside a torch operation (which releases the GIL), re-taking the GIL during
+        interpreter shutdown would end the thread by unwinding through C++ frames that
+        forbid it, and the process would abort ("terminate called without an active
+        exception"). After delivery the thread only runs plain Python until it idles.
+        """
+        done, self._done = self._done, []
+        for request in done:
+            if not request.future.done():
+                request.future.set_result([r for r in request.results if r is not None])
 
     def _take_admissible(self) -> list[SampleRequest]:  # under self._lock
         taken: list[SampleRequest] = []
@@ -230,7 +291,7 @@ class BatchEngine:
         requests.update({id(r): r for r in admitted})
         self._rows, self._cache = [], None
         for request in requests.values():
-            if not request.future.done():
+            if request.remaining and not request.future.done():  # finished ones are delivered
                 request.future.set_exception(error)
 
     # ----------------------------------------------------------------- prefill
@@ -246,6 +307,11 @@ class BatchEngine:
         self.stats.prefill_tokens += len(prompt) - reused
         self.stats.reused_tokens += reused
         layers = tuple((layer.keys, layer.values) for layer in out.cache.layers)
+        if self.prefix_cache.max_bytes:
+            # The prefill's tensors are its own (concatenated, not views of an entry): kept as
+            # they are. Calls admitted after this one find their shared prefix (a system
+            # prompt, a group's opening) even before any row of this call finishes.
+            self.prefix_cache.put(prompt, layers)
         logits = out.logits[:, -1].float()
         rows = [
             _Row(request, i, torch.Generator().manual_seed(row_seed(request.seed, i)),
@@ -255,72 +321,62 @@ class BatchEngine:
         joining = []
         for row, token in zip(rows, self._draw(rows, logits.expand(len(rows), -1)), strict=True):
             if self._emit(row, token):
-                self._finish(row, layers, 0)
+                self._finish(row, layers)
             else:
                 joining.append(row)
         if joining:
             self._join(joining, layers)
 
     def _join(self, rows: list[_Row], layers: tuple[LayerKV, ...]) -> None:
-        """Add rows sharing one prompt's keys/values ([1, h, L, d] per layer) to the batch."""
-        count = len(rows)
-        length = layers[0][0].shape[2]
+        """Add rows sharing one prompt's keys/values ([1, h, L, d] per layer) to the batch:
+        each is written into its own slot; the rows already there are not touched."""
         if self._cache is None:
-            self._cache = Cache(layers=[
-                _GrowingLayer(k.expand(count, -1, -1, -1), v.expand(count, -1, -1, -1))
-                for k, v in layers
-            ])
-        else:
-            width = self._cache.layers[0].keys.shape[2]
-            grow = max(0, length - width)
-            pad = width + grow - length
-            for layer, (k, v) in zip(self._cache.layers, layers, strict=True):
-                layer.reset_to(
-                    torch.cat([_left_pad(layer.keys, grow),
-                               _left_pad(k, pad).expand(count, -1, -1, -1)]),
-                    torch.cat([_left_pad(layer.values, grow),
-                               _left_pad(v, pad).expand(count, -1, -1, -1)]),
-                )
+            self._cache = Cache(layers=[_SlotLayer(k, v.shape[-1]) for k, v in layers])
+        first, length = len(self._rows), layers[0][0].shape[2]
+        for layer, (k, v) in zip(self._cache.layers, layers, strict=True):
+            # Room for the calls admitted with this one too: one reallocation, not one each.
+            layer.reserve(first + len(rows) + self._incoming,
+                          length + min(rows[0].request.budget, SPARE_COLUMNS), keep=first)
+            for slot in range(first, first + len(rows)):
+                layer.place(slot, k, v)
         self._rows.extend(rows)
 
     # ----------------------------------------------------------------- decode
     def _step(self) -> None:
         assert self._cache is not None
-        rows = self._rows
-        width = self._cache.layers[0].keys.shape[2]
+        rows, layers = self._rows, self._cache.layers
+        width = max(row.length for row in rows)
         lengths = torch.tensor([row.length for row in rows], device=self.device)
-        columns = torch.arange(width + 1, device=self.device)
-        # Row i holds its `length` real positions right-aligned in `width`, then the new one.
-        mask = (columns[None] >= width - lengths[:, None]).long()
+        for layer in layers:
+            layer.reserve(len(rows), width + 1, keep=len(rows))
+            layer.show(len(rows), width)
+            layer.write_at = lengths
+        # Row i's positions are columns [0, length); its new one goes to column `length`.
+        mask = (torch.arange(width + 1, device=self.device)[None] <= lengths[:, None]).long()
         feed = torch.tensor([[row.tokens[-1]] for row in rows], device=self.device)
         out = self.model(input_ids=feed, attention_mask=mask, position_ids=lengths[:, None],
                          cache=self._cache, use_cache=True)
         self.stats.decode_steps += 1
         self.stats.decoded_rows += len(rows)
         self.stats.max_batch_rows = max(self.stats.max_batch_rows, len(rows))
+        self.stats.steps_by_rows[len(rows)] = self.stats.steps_by_rows.get(len(rows), 0) + 1
         for row in rows:
             row.length += 1
         chosen = self._draw(rows, out.logits[:, -1].float())
-        keep = [i for i, (row, token) in enumerate(zip(rows, chosen, strict=True))
-                if not self._emit(row, token)]
-        if len(keep) == len(rows):
-            return
-        width += 1
-        layers = self._cache.layers
-        for i, row in enumerate(rows):
-            if i not in keep:
-                self._finish(row, tuple((layer.keys[i : i + 1], layer.values[i : i + 1])
-                                        for layer in layers), width - row.length)
-        self._rows = [rows[i] for i in keep]
-        if not self._rows:
-            self._cache = None
-            return
-        # Drop the finished rows, and the columns only they were using.
-        start = width - max(row.length for row in self._rows)
-        index = torch.tensor(keep, device=self.device)
-        for layer in layers:
-            layer.reset_to(layer.keys.index_select(0, index)[:, :, start:],
-                           layer.values.index_select(0, index)[:, :, start:])
+        finished = [i for i, (row, token) in enumerate(zip(rows, chosen, strict=True))
+                    if self._emit(row, token)]
+        # From the highest slot down, so the last slot is always a row that stays (or the
+        # finished row itself): it moves into the freed slot, nothing else moves.
+        for i in reversed(finished):
+            self._finish(rows[i], tuple(layer.row(i, rows[i].length) for layer in layers))
+            last = len(rows) - 1
+            if i != last:
+                for layer in layers:
+                    layer.move(last, i, rows[last].length)
+                rows[i] = rows[last]
+            rows.pop()
+        if not rows:
+            self._cache = None  # an idle engine holds no batch memory
 
     def _emit(self, row: _Row, token: tuple[int, float]) -> bool:
         """Append a drawn token; True when the row is finished."""
@@ -338,19 +394,17 @@ class BatchEngine:
             return False
         return True
 
-    def _finish(self, row: _Row, layers: tuple[LayerKV, ...], padding: int) -> None:
-        """Resolve the row; cache the keys/values of prompt + completion[:-1] it computed."""
+    def _finish(self, row: _Row, layers: tuple[LayerKV, ...]) -> None:
+        """Resolve the row; cache the keys/values of prompt + completion[:-1] it computed
+        (``layers``: exactly those positions, possibly views of the batch, copied here)."""
         request = row.request
         known = request.prompt + row.tokens[:-1]
         if self.prefix_cache.max_bytes:
-            self.prefix_cache.put(
-                known, tuple((k[:, :, padding:].clone(), v[:, :, padding:].clone())
-                             for k, v in layers)
-            )
+            self.prefix_cache.put(known, tuple((k.clone(), v.clone()) for k, v in layers))
         request.results[row.index] = (row.tokens, row.logprobs, row.reason)
         request.remaining -= 1
-        if request.remaining == 0 and not request.future.done():
-            request.future.set_result([r for r in request.results if r is not None])
+        if request.remaining == 0:
+            self._done.append(request)
 
     # ----------------------------------------------------------------- drawing
     def _draw(self, rows: Sequence[_Row], logits: torch.Tensor) -> list[tuple[int, float]]:
@@ -371,11 +425,14 @@ class BatchEngine:
                 # tail, it flips only if the top two perturbed scores sit within float
                 # rounding of each other, so rounding differences between batch shapes
                 # (or cached and fresh keys) practically never change a draw.
-                uniforms = torch.stack([
-                    torch.rand(logp.shape[-1], generator=rows[i].generator, dtype=torch.float64)
-                    for i in members
-                ]).to(logits.device)
-                chosen = (logp.double() - torch.log(-torch.log(uniforms))).argmax(dim=-1)
+                # Each row's uniforms go straight into one buffer, turned into log(-log u) in
+                # place: the same values as stacking fresh tensors, at half the time.
+                noise = torch.empty(len(members), logp.shape[-1], dtype=torch.float64)
+                for j, i in enumerate(members):
+                    torch.rand(logp.shape[-1], generator=rows[i].generator, dtype=torch.float64,
+                               out=noise[j])
+                noise = noise.log_().neg_().log_().to(logits.device)
+                chosen = (logp - noise).argmax(dim=-1)
             picked = logp.gather(1, chosen[:, None]).squeeze(1)
             for i, token, lp in zip(members, chosen.tolist(), picked.tolist(), strict=True):
                 out[i] = (token, lp)
@@ -400,13 +457,15 @@ def _filtered_logprobs(
     return torch.log_softmax(scaled, dim=-1)
 
 
-def _left_pad(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """Zero columns before the sequence axis (dim 2); the attention mask hides them."""
-    if columns == 0:
-        return tensor
-    shape = list(tensor.shape)
-    shape[2] = columns
-    return torch.cat([tensor.new_zeros(shape), tensor], dim=2)
+def _regrow(buffer: torch.Tensor, rows: int, width: int, keep: int) -> torch.Tensor:
+    """A [rows, heads, width, dim] buffer holding ``buffer``'s first ``keep`` slots, zero
+    elsewhere: masked columns get zero attention weight, and 0 * NaN would not be 0."""
+    keep_width = min(buffer.shape[2], width)
+    out = buffer.new_empty(rows, buffer.shape[1], width, buffer.shape[3])
+    out[:keep, :, :keep_width] = buffer[:keep, :, :keep_width]
+    out[:keep, :, keep_width:] = 0
+    out[keep:] = 0
+    return out
 
 
 def _ends_with_stop(

@@ -39,6 +39,23 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 LOGPROB_CHUNK = 512
 
 
+def lay_out_for_decoding(model: torch.nn.Module) -> None:
+    """Store every linear layer's weight transposed in memory (same values, same shape).
+
+    A decode step multiplies a few rows by each weight. MKL's CPU GEMM on a row-major
+    ``[out, in]`` weight (``x @ W.T``) is pathologically slow for 4-15 rows (measured with
+    SmolLM2-135M at one thread: 14 rows took 97 ms over the 30 layers' linears against 70 ms
+    for 16 rows) and the ``[in, out]`` layout is not; a whole decode step of 14 rows at 900
+    positions went from 256 to 176 ms, one row from 57 to 53 ms. ``F.linear`` reads the
+    strides, so nothing else changes; values are bit-identical. Only the sampler's frozen
+    copy is re-laid: a training model keeps the layout its optimizer state was built on.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
+                module.weight.data = module.weight.data.t().contiguous().t()
+
+
 class LocalSamplingClient:
     """Samples from a fixed copy of some weights; training never changes it afterwards.
 
@@ -62,6 +79,8 @@ class LocalSamplingClient:
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            lay_out_for_decoding(self.model)
         self.context_length = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self._body, self._head = split_model(self.model)
         self.engine = BatchEngine(
