@@ -107,12 +107,12 @@ class Summary:
     in JSON, which has no NaN).
 
     Intervals are 95%. ``success_low/high`` are Wilson's over episodes with one rollout per
-    task, and a percentile bootstrap over tasks with several (a task's rollouts are not
-    independent draws); ``success_interval`` says which. ``reward_low/high`` and every
-    ``pass_at_k`` interval are percentile bootstraps over tasks. ``pass_at_k`` maps k to the
-    unbiased estimate of Chen et al. (2021) averaged over the tasks with at least k finished
-    rollouts (``tasks``). ``reply_latency`` is seconds per policy call (for an ``openai:``
-    policy: per request to its server, retries included).
+    task, and with several ``rate_interval`` over tasks (a task's rollouts are not
+    independent draws); ``success_interval`` says which. Every ``pass_at_k`` interval is a
+    ``rate_interval`` too, and ``reward_low/high`` a percentile bootstrap over tasks.
+    ``pass_at_k`` maps k to the unbiased estimate of Chen et al. (2021) averaged over the
+    tasks with at least k finished rollouts (``tasks``). ``reply_latency`` is seconds per
+    policy call (for an ``openai:`` policy: per request to its server, retries included).
     """
 
     env_id: str
@@ -150,7 +150,10 @@ def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float
     """95% Wilson score interval: honest at 0%, 100% and small n, unlike the normal one."""
     if trials == 0:
         return 0.0, 1.0
-    p = successes / trials
+    return _wilson(successes / trials, trials, z)
+
+
+def _wilson(p: float, trials: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (
         1 + z * z / trials
@@ -184,6 +187,21 @@ def bootstrap_interval(values: Sequence[float], level: float = 0.95) -> tuple[fl
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(low), float(high)
+
+
+def rate_interval(values: Sequence[float]) -> tuple[float, float]:
+    """95% interval of the mean of per-task rates in [0, 1] (success, pass@k): a percentile
+    bootstrap over tasks, widened to at least Wilson's interval for one draw per task.
+
+    The bootstrap alone collapses to a point when every task scored alike: 0 successes in
+    72 episodes of 18 tasks would read [0, 0]. Counting each task once (its rollouts may be
+    as good as copies of each other) gives the honest floor, here [0, 0.18].
+    """
+    if not values:
+        return 0.0, 1.0
+    low, high = bootstrap_interval(values)
+    floor_low, floor_high = _wilson(statistics.fmean(values), len(values))
+    return min(low, floor_low), max(high, floor_high)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -220,7 +238,7 @@ def summarize(
     for k in range(1, rollouts + 1):
         values = [pass_at_k(len(rs), sum(bool(r["success"]) for r in rs), k)
                   for rs in by_task.values() if len(rs) >= k]
-        low, high = bootstrap_interval(values)
+        low, high = rate_interval(values)
         pass_k[str(k)] = {"estimate": statistics.fmean(values) if values else None,
                           "low": low, "high": high, "tasks": len(values)}
     if rollouts == 1:
@@ -252,7 +270,7 @@ def summarize(
         first_error=first_error,
         rollouts_per_task=rollouts,
         tasks=len(by_task),
-        success_interval="wilson" if rollouts == 1 else "bootstrap over tasks",
+        success_interval="wilson" if rollouts == 1 else "bootstrap over tasks, Wilson floor",
         reward_low=reward_low,
         reward_high=reward_high,
         pass_at_k=pass_k,
@@ -303,7 +321,7 @@ def format_table(summaries: Sequence[Summary]) -> str:
     text = _aligned(rows)
     multi = [s for s in summaries if s.rollouts_per_task > 1]
     if multi:
-        rows = [("env", "policy", "k", "pass@k [95% bootstrap CI over tasks]", "tasks")]
+        rows = [("env", "policy", "k", "pass@k [95% CI over tasks]", "tasks")]
         for s in multi:
             for k, row in s.pass_at_k.items():
                 rows.append((s.env_id.removeprefix("agent_gym/"), s.policy, k,

@@ -16,6 +16,7 @@ from agent_gym.eval import (
     evaluate,
     pass_at_k,
     summarize,
+    wilson_interval,
 )
 from agent_gym.policies import PolicyInput, Reply
 from tests.helpers.eval_runs import GSM8K, read_episodes
@@ -87,7 +88,7 @@ def test_rollouts_report_pass_at_k_and_resume_per_rollout(tmp_path: Path) -> Non
         assert row["estimate"] == pytest.approx(value) and row["tasks"] == 3
         assert row["low"] <= row["estimate"] <= row["high"]
     assert summary.success_rate == pytest.approx(3 / 9)
-    assert summary.success_interval == "bootstrap over tasks"
+    assert summary.success_interval == "bootstrap over tasks, Wilson floor"
     assert (summary.success_low, summary.success_high) == (
         summary.pass_at_k["1"]["low"], summary.pass_at_k["1"]["high"])
     assert summary.reward_low <= summary.mean_reward <= summary.reward_high
@@ -125,6 +126,21 @@ def test_summary_groups_rollouts_by_task() -> None:
     assert summary.tasks == 3 and summary.episodes == 12
 
 
+@pytest.mark.parametrize("success", [False, True])
+def test_tasks_that_all_scored_alike_still_get_an_interval(success: bool) -> None:
+    """A bootstrap over 18 identical tasks is a point; the interval must not claim that
+    72 episodes pinned the rate down exactly. Its floor counts each task once."""
+    records = [{"episode": e, "success": success, "reward": float(success), "turns": 1,
+                "completion_tokens": None, "latency_s": 0.1, "final_state": {"env_id": GSM8K}}
+               for e in range(18) for _ in range(4)]
+    summary = summarize(EvalConfig(GSM8K, "p", 18, rollouts_per_task=4), records, errors=0)
+    floor = wilson_interval(18 * success, 18)
+    assert (summary.success_low, summary.success_high) == pytest.approx(floor)
+    assert summary.success_high - summary.success_low > 0.15
+    for row in summary.pass_at_k.values():
+        assert (row["low"], row["high"]) == pytest.approx(floor)
+
+
 def test_cli_rollouts_print_pass_at_k_and_settings_are_the_run_identity(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -133,7 +149,8 @@ def test_cli_rollouts_print_pass_at_k_and_settings_are_the_run_identity(
             "--out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "pass@k [95% bootstrap CI over tasks]" in printed and "1.000 [1.000, 1.000]" in printed
+    # Both tasks always succeed: the interval still says that two tasks were seen.
+    assert "pass@k [95% CI over tasks]" in printed and "1.000 [0.342, 1.000]" in printed
     config = json.loads((out / "config.json").read_text())
     assert config["max_tokens"] == 256 and config["rollouts_per_task"] == 2
     for flag, value, recorded in [("--max-tokens", "64", "max_tokens=256"),
