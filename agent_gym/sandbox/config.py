@@ -40,7 +40,7 @@ FORKSERVER_PRELOAD = (
 # whose code names one of them. Their ~40 MB of heap cost every fork ~1.5 ms of CPU, which
 # code that never touches them should not pay (see forkserver.ForkServer).
 FORKSERVER_MATH_STACK = ("numpy", "mpmath", "sympy")
-# Children the fork-server keeps forked and isolated ahead of calls (enough for four
+# Children each fork-server keeps forked and isolated ahead of calls (enough for four
 # concurrent callers to find one ready; each costs little more than its page tables).
 FORKSERVER_SPARES = 4
 RLIMITS_WARNING = (

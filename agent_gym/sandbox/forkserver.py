@@ -5,7 +5,8 @@ A fresh bwrap sandbox per call costs a bwrap start and an interpreter start (~25
 long-lived bwrap sandbox whose interpreter has imported the standard library once
 (``config.FORKSERVER_PRELOAD``) and forks a child per call. Each ``StatelessSandbox`` has
 two: a lean one, and one with the math stack warm as well (``config.FORKSERVER_MATH_STACK``,
-started at the first call that needs it). A call whose code names a module of that stack
+started at the first call that needs it; only calls of a kind wait for its server to
+start). A call whose code names a module of that stack
 (a word match: a false hit only costs the bigger fork) forks from the second, so
 ``import sympy`` costs it nothing; any other call forks from the lean one, whose forks cost
 ~1.5 ms less CPU because there is less heap to share and copy. Either way the call's code
@@ -19,12 +20,13 @@ started with it, so nothing of a call outlives it, and each call starts from the
 untouched memory image, so nothing a call changes (files, environment, modules, signal
 handlers) reaches the next one.
 
-The server is trusted code and model code never runs in it; the host still treats it as
+A server is trusted code and model code never runs in it; the host still treats it as
 something that can fail. It is replaced when it dies, when it stops answering within a
 call's timeout plus a grace period, when a reply breaks the protocol, and when it is found
 stopped, traced (``TracerPid``) or running more than one thread before a call: the states a
 debugger or an injected thread would leave, none of which the server ever enters by itself.
-A call that was running when its server died reports ``crashed``.
+A call that was running when its server died runs once more on a fresh one (invisible to
+a stateless call), and reports ``crashed`` if that one dies too.
 """
 
 from __future__ import annotations
@@ -151,12 +153,16 @@ class ForkServer:
         self._retiring: set[Future[None]] = set()
         # Reentrant: a retired server's done-callback may run at once, inside _retire.
         self._lock = threading.RLock()
+        # Held while a server of that kind starts (~1 s with the math stack), and taken
+        # before ``_lock``, never inside it: calls of the other kind do not wait for it.
+        self._starting: dict[Warmth, threading.Lock] = {
+            "lean": threading.Lock(), "math": threading.Lock()
+        }
         self._closed = False
 
     def start(self) -> None:
         """Start the lean server now (not on the first call); raise if it cannot start here."""
-        with self._lock:
-            self._current("lean")
+        self._current("lean")
 
     def _spawn(self, kind: Warmth) -> _Server:
         worker = self.launcher.spawn(single=True, forkserver=True, warm=_WARM[kind])
@@ -172,17 +178,33 @@ class ForkServer:
             raise
 
     def _current(self, kind: Warmth) -> _Server:
-        """The running server of a kind, replaced first if it is gone or was tampered with
-        (locked)."""
-        if self._closed:
-            raise SandboxError("this sandbox is closed")
-        server = self._servers[kind]
-        if server is not None and server.healthy():
-            return server
+        """The running server of a kind, started first if there is none (or it is gone or
+        was tampered with). Not under ``_lock``: a start holds only its kind's lock."""
+        server = self._healthy(kind)
         if server is not None:
-            self._replace(server, "died or was tampered with")
-        self._servers[kind] = server = self._spawn(kind)
-        return server
+            return server
+        with self._starting[kind]:
+            server = self._healthy(kind)  # another caller may have started it meanwhile
+            if server is not None:
+                return server
+            server = self._spawn(kind)
+            with self._lock:
+                # close() takes every start lock first, so it cannot have run meanwhile.
+                assert not self._closed and self._servers[kind] is None
+                self._servers[kind] = server
+            return server
+
+    def _healthy(self, kind: Warmth) -> _Server | None:
+        """The server of a kind if it is running; a failed one is retired first."""
+        with self._lock:
+            if self._closed:
+                raise SandboxError("this sandbox is closed")
+            server = self._servers[kind]
+            if server is not None and server.healthy():
+                return server
+            if server is not None:
+                self._replace(server, "died or was tampered with")
+            return None
 
     def _retire(self, server: _Server) -> None:
         """Kill a server's whole sandbox off the caller's path (locked)."""
@@ -232,8 +254,7 @@ class ForkServer:
             while view:
                 view = view[os.write(source, view) :]
             for attempt in (1, 2):
-                with self._lock:
-                    server = self._current(kind)
+                server = self._current(kind)
                 for fd in files:
                     os.ftruncate(fd, 0)
                 outcome_r, outcome_w = os.pipe2(os.O_CLOEXEC)
@@ -294,8 +315,9 @@ class ForkServer:
         return collect(status, error, files, self.launcher.limits, timeout, duration)
 
     def close(self) -> None:
-        """Kill the server's sandbox and wait until it is gone; later calls raise. Idempotent."""
-        with self._lock:
+        """Kill the servers' sandboxes and wait until they are gone (a server still starting
+        is waited for first); later calls raise. Idempotent."""
+        with self._starting["lean"], self._starting["math"], self._lock:
             self._closed = True
             for server in list(self._servers.values()):
                 if server is not None:

@@ -3,11 +3,11 @@
 A stateless call gets a fresh interpreter that runs exactly one cell and is then killed, so
 nothing leaks from one call to the next. By default it is a freshly forked, fully isolated
 child of a warm sandboxed interpreter (``forkserver``: a few ms, and the math stack already
-imported); the per-call engine starts a bwrap sandbox and an interpreter for every call,
-and its pool only moves that ~25 ms start off the call's critical path. A stateful
-sandbox keeps one persistent worker per episode, like a notebook kernel; when a cell times
-out or kills its interpreter the worker is replaced and the result says plainly that the
-state was lost.
+imported for code that names it); the per-call engine starts a bwrap sandbox and an
+interpreter for every call, and its pool only moves that ~25 ms start off the call's
+critical path. A stateful sandbox keeps one persistent worker per episode, like a notebook
+kernel; when a cell times out or kills its interpreter the worker is replaced and the
+result says plainly that the state was lost.
 """
 
 from __future__ import annotations

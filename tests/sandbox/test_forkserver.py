@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from agent_gym.sandbox import Limits, SandboxError, StatelessSandbox, open_sandbox, runner
+from agent_gym.sandbox import (
+    ExecResult,
+    Limits,
+    SandboxError,
+    StatelessSandbox,
+    open_sandbox,
+    runner,
+)
 from agent_gym.sandbox.config import SANDBOX_TMP
 from agent_gym.sandbox.forkserver import ForkServer, Warmth, warmth
 from tests.helpers.procs import live_pids_of, marked, wait_until
@@ -259,10 +266,12 @@ def test_the_math_stack_is_warm_and_memory_is_the_codes_own(box: StatelessSandbo
     assert box.run(replay).stdout == box.run(replay).stdout  # seeded like random
 
 
-def _server_pid(box: StatelessSandbox) -> int:
-    """The lean server's host pid (the calls in these tests name no math module)."""
+def _server_pid(box: StatelessSandbox, kind: Warmth = "lean") -> int:
+    """The host pid of a kind's server (started by a call of that kind if need be)."""
     assert box.forkserver is not None
-    server = box.forkserver._servers["lean"]
+    if box.forkserver._servers[kind] is None:
+        _ok(box, "import numpy" if kind == "math" else "pass")
+    server = box.forkserver._servers[kind]
     assert server is not None
     return server.pid
 
@@ -274,21 +283,23 @@ def _status(pid: int) -> str:
         return ""
 
 
-def test_a_server_that_dies_is_replaced(box: StatelessSandbox) -> None:
+@pytest.mark.parametrize("kind", ["lean", "math"])
+def test_a_server_that_dies_is_replaced(box: StatelessSandbox, kind: Warmth) -> None:
     assert box.forkserver is not None
+    prefix = "import numpy\n" if kind == "math" else ""
+    dead = _server_pid(box, kind)
     restarts = box.forkserver.restarts
-    dead = _server_pid(box)
     os.kill(dead, signal.SIGKILL)
     assert wait_until(lambda: "\nState:\tZ" in _status(dead) or not _status(dead))
-    assert _ok(box, "print('after')") == "after\n"
-    assert box.forkserver.restarts == restarts + 1
+    assert _ok(box, prefix + "print('after')") == "after\n"
+    assert box.forkserver.restarts == restarts + 1 and _server_pid(box, kind) != dead
     # A server that dies under a running call: the call runs again on a fresh server.
     results = {}
-    code = "import os, time\ntime.sleep(3)\nprint(os.getpid())"
+    code = prefix + "import os, time\ntime.sleep(3)\nprint(os.getpid())"
     thread = threading.Thread(target=lambda: results.update(r=box.run(code)))
     thread.start()
     time.sleep(1.0)
-    os.kill(_server_pid(box), signal.SIGKILL)
+    os.kill(_server_pid(box, kind), signal.SIGKILL)
     thread.join()
     assert results["r"].ok and results["r"].stdout == "1\n", results["r"].observation()
     assert box.forkserver.restarts == restarts + 2
@@ -312,6 +323,39 @@ def test_a_stopped_or_traced_server_is_replaced(box: StatelessSandbox) -> None:
     deadline = time.monotonic() + 10
     while os.waitpid(traced, os.WNOHANG | wait_all)[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def test_a_lean_call_does_not_wait_for_the_math_server_to_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The math server's start (~1 s of imports) holds up only the calls that need it."""
+    entered, release = threading.Event(), threading.Event()
+    spawn = ForkServer._spawn
+
+    def gated(self: ForkServer, kind: Warmth) -> object:
+        if kind == "math":
+            entered.set()
+            release.wait(60)
+        return spawn(self, kind)
+
+    monkeypatch.setattr(ForkServer, "_spawn", gated)
+    with open_sandbox("stateless", limits=LIMITS, forkserver=True) as sandbox:
+        results: dict[str, ExecResult] = {}
+        math_call = threading.Thread(
+            target=lambda: results.update(math=sandbox.run("import numpy\nprint(numpy.e > 2)"))
+        )
+        lean_call = threading.Thread(target=lambda: results.update(lean=sandbox.run("print(7)")))
+        math_call.start()
+        try:
+            assert entered.wait(60)
+            lean_call.start()
+            lean_call.join(60)
+            assert not lean_call.is_alive(), "a lean call waited for the math server's start"
+        finally:
+            release.set()
+            math_call.join()
+            lean_call.join()
+        assert [results[k].stdout for k in ("lean", "math")] == ["7\n", "True\n"]
 
 
 def test_a_closed_forkserver_refuses_calls() -> None:
