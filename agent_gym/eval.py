@@ -693,7 +693,7 @@ async def evaluate(
 
 def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary:
     """One policy's figures over several envs' runs (a suite): every task of every env
-    counts once, and the intervals are bootstraps over all of those tasks."""
+    counts once, and ``summarize`` computes the intervals over all of those tasks."""
     first = runs[0][0]
     records = [
         record
