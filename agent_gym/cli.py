@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 import gymnasium
@@ -223,6 +224,16 @@ def _probe_env(env_id: str, env_kwargs: dict[str, Any], policy_spec: str) -> Non
         )
 
 
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM's handler during a run: what Ctrl-C would do. Where SIGINT is ignored (a run
+    started with ``cmd &`` from a script, or under nohup), raising it does nothing, so the
+    interruption is raised here instead; asyncio.run then cancels the run, which still
+    writes its summary."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
+
+
 def _eval(args: argparse.Namespace) -> int:
     if (args.env_id is None) == (args.suite is None):
         raise UserError("give either an ENV_ID or --suite NAME")
@@ -251,7 +262,7 @@ def _eval(args: argparse.Namespace) -> int:
     runs: list[tuple[EvalConfig, Summary, Path]] = []
     # SIGTERM stops a run as Ctrl-C does: asyncio.run turns SIGINT into a cancellation,
     # and evaluate writes the summary of the finished episodes on its way out.
-    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for policy_spec in policies:
             try:

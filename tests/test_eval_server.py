@@ -226,14 +226,18 @@ def test_timeout_is_the_http_clients() -> None:
         assert len(server.behaviour.requests) == 1
 
 
-def test_sigterm_writes_the_summary_of_finished_episodes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_sigterm_writes_the_summary_of_finished_episodes(tmp_path: Path, sigint: str) -> None:
+    """Also where SIGINT is ignored, as in a run started with ``cmd &`` from a script."""
     run = tmp_path / "run"
+    handler = signal.default_int_handler if sigint == "default" else signal.SIG_IGN
     with ChatServer(Behaviour(delay=0.3)) as server:
         child = subprocess.Popen(
             [sys.executable, "-m", "agent_gym.cli", "eval", GSM8K, "--episodes", "30",
              "--concurrency", "2", "--quiet", "--out", str(run),
              "--policy", f"openai:m@{server.url}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, handler),
         )
         log = run / "episodes.jsonl"
         deadline = time.monotonic() + 120

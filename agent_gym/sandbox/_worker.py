@@ -389,8 +389,12 @@ def _child_limits(config: dict, baseline: int) -> None:
 
 
 def _fresh_interpreter_state() -> None:
-    """What a fresh interpreter would have: default signal mask, new streams, seeded RNGs."""
+    """What a fresh interpreter would have: default signal mask and dispositions, new
+    streams, seeded RNGs. SIGINT and SIGQUIT are reset because a host started in the
+    background of a script (``cmd &``) ignores both, and the server would pass that on."""
     _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    _signal.signal(_signal.SIGQUIT, _signal.SIG_DFL)
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)  # a full output file raises, not kills
     _fresh_streams()
     sys.argv[:] = ["-c"]

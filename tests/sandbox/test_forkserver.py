@@ -12,6 +12,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -151,6 +153,27 @@ def test_a_call_leaves_nothing_for_the_next(box: StatelessSandbox, kind: Warmth)
     for _ in range(3):  # whichever spare serves the next calls
         assert _ok(box, find) == "[]\n"
     assert wait_until(lambda: not marked("73.1234")), "background processes outlived the call"
+
+
+def test_calls_get_default_signal_handlers_whatever_the_host_ignores() -> None:
+    """A host started with ``cmd &`` from a script ignores SIGINT and SIGQUIT; its calls
+    must still see what a fresh interpreter has."""
+    host = textwrap.dedent("""\
+        import signal
+        from agent_gym.sandbox import open_sandbox
+        box = open_sandbox("stateless", forkserver=True)
+        print(box.run("import signal\\nprint(signal.getsignal(signal.SIGINT) is "
+                      "signal.default_int_handler, "
+                      "signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL)").stdout)
+        box.close()""")
+
+    def ignore() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+    done = subprocess.run([sys.executable, "-c", host], capture_output=True, text=True,
+                          preexec_fn=ignore, timeout=60, check=True)
+    assert done.stdout.strip() == "True True", done.stderr[-2000:]
 
 
 def test_code_that_names_the_math_stack_runs_where_it_is_warm() -> None:
