@@ -389,12 +389,9 @@ def _child_limits(config: dict, baseline: int) -> None:
 
 
 def _fresh_interpreter_state() -> None:
-    """What a fresh interpreter would have: default signal mask and dispositions, new
-    streams, seeded RNGs. SIGINT and SIGQUIT are reset because a host started in the
-    background of a script (``cmd &``) ignores both, and the server would pass that on."""
+    """What a fresh interpreter would have: default signal mask (the dispositions are the
+    server's, set by ``_default_dispositions``), new streams, seeded RNGs."""
     _signal.pthread_sigmask(_signal.SIG_SETMASK, ())
-    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
-    _signal.signal(_signal.SIGQUIT, _signal.SIG_DFL)
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)  # a full output file raises, not kills
     _fresh_streams()
     sys.argv[:] = ["-c"]
@@ -700,7 +697,16 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
         server.refill()
 
 
+def _default_dispositions() -> None:
+    """SIGINT and SIGQUIT as an interpreter started normally has them. A host started in the
+    background of a script (``cmd &``) ignores both, and every worker, fork-server and call
+    would inherit that."""
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    _signal.signal(_signal.SIGQUIT, _signal.SIG_DFL)
+
+
 def main() -> None:
+    _default_dispositions()
     ctl_in, ctl_out = int(sys.argv[1]), int(sys.argv[2])
     requests = [int(fd) for fd in sys.argv[3:4]]  # the fork-server's request socket
     keep = sorted({0, 1, 2, ctl_in, ctl_out, *requests})
