@@ -232,6 +232,8 @@ def add_opd_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--opd-batch-size", type=int, default=2, help="tasks per OPD step")
     group.add_argument("--opd-group-size", type=int, default=2, help="episodes per task")
     group.add_argument("--opd-learning-rate", type=float, default=5e-4)
+    group.add_argument("--opd-teacher-labels", type=float, default=0.0,
+                       help="OPD's --teacher-labels (0: pure sampled reverse KL)")
     group.add_argument("--opd-edge", type=int, default=3,
                        help="steps averaged at each end of the run for the KL ratio")
 
@@ -250,7 +252,8 @@ def section_opd(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                    teacher=f"local:smollm2@{teacher}", privileged=False,
                    steps=options.opd_steps, batch_size=options.opd_batch_size,
                    group_size=options.opd_group_size, max_tokens=options.max_tokens,
-                   learning_rate=options.opd_learning_rate, threads=1,
+                   learning_rate=options.opd_learning_rate,
+                   teacher_labels=options.opd_teacher_labels, threads=1,
                    save_every=options.opd_steps, out=str(work / "opd"), progress=False)
     # base and teacher are evaluated while the student trains (eval processes of one torch
     # thread each; the CPU is shared anyway), the student after
@@ -277,6 +280,7 @@ def section_opd(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      "group_size": args.group_size, "max_tokens": args.max_tokens,
                      "max_turns": options.max_turns, "learning_rate": args.learning_rate,
                      "kl_coef": args.kl_coef, "reward_coef": args.reward_coef,
+                     "teacher_labels": args.teacher_labels,
                      "privileged": args.privileged, "temperature": args.temperature},
         "reverse_kl_per_step": kl,
         "reverse_kl_first": _mean(kl[:edge]), "reverse_kl_last": _mean(kl[-edge:]),

@@ -206,6 +206,24 @@ def build_datum(
     )
 
 
+def cross_entropy_datum(
+    sequence: TokenSequence, weight: float = 1.0, *, max_length: int | None = None
+) -> Datum:
+    """A ``cross_entropy`` datum: ``weight`` on every token of the sequence's spans (a
+    demonstration's actions, a teacher's reply), masked elsewhere.
+
+    Built through ``build_datum`` with advantage ``weight``, whose advantages are then
+    exactly the weights, so supervised and RL datums share one alignment and one masking
+    rule. pytrio divides the summed weighted NLL by the targets that are not ``-100``, so a
+    weight below 1 scales a cross-entropy term against a policy loss sent in the same step.
+    """
+    datum = build_datum(sequence, weight, max_length=max_length)
+    inputs = datum.loss_fn_inputs
+    return Datum(model_input=datum.model_input,
+                 loss_fn_inputs={"target_tokens": inputs["target_tokens"],
+                                 "weights": inputs["advantages"]})
+
+
 def _tensor(values: np.ndarray, dtype: str) -> TensorData:
     # The arrays were built here with the right dtype and shape, so pydantic's per-element
     # re-validation (most of the cost of a Datum) is skipped.

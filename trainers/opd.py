@@ -18,6 +18,16 @@ sampler's logprobs are the student's own (sampling at temperature 1), so ``-A_t`
 per-token sample of the reverse KL the update lowers: ``reverse_kl_mean`` in the metrics is
 that sample's mean over the step's sampled tokens.
 
+**Teacher labels** (``--teacher-labels λ``, 0 by default). A sampled-token reverse KL can
+only lower what the student samples: a student that never samples the teacher's tool call
+is pushed off its own replies, never towards the call (measured on Search-v0 from the base
+model: the KL halves and held-out success stays 0). With ``λ > 0`` the teacher also answers,
+greedily, at every state the student's episodes visited (its opening and the student's own
+history up to that reply), and the step adds ``λ`` times the mean NLL of those replies
+(``cross_entropy``) to the distillation loss: DAgger's labels, on the student's own states,
+so what the student is taught is still where the student goes. Cut teacher replies are not
+used (counted in ``teacher_labels_cut``).
+
 Teachers (``--teacher``):
 
 * ``self``: the student's own frozen starting weights (the base model). Only useful with
@@ -38,17 +48,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-from pytrio import Datum, ModelInput
+from pytrio import Datum, ModelInput, SamplingParams
 from pytrio.types import TensorData
 
 from trainers.backends import BACKENDS, make_service
-from trainers.episode import Episode, TokenSequence, build_datum
+from trainers.episode import Episode, TokenSequence, build_datum, cross_entropy_datum
 from trainers.rollout import rollout_metrics, rollout_step, run_rollout_config
 from trainers.run import (
     OUT_HELP,
@@ -90,6 +100,9 @@ class Args(RunArgs):
     kl_coef: float = option(1.0, "beta: weight of the per-token reverse-KL advantage")
     reward_coef: float = option(0.0, "weight of the group-centred env reward (0: pure "
                                      "distillation)")
+    teacher_labels: float = option(
+        0.0, "lambda: weight of a cross_entropy term on the teacher's greedy reply at each "
+        "state the student visited (DAgger-style labels; 0: pure reverse KL)")
     steps: int = option(20, "training steps of the whole run")
     group_size: int = option(2, "student episodes per task (the reward is centred in it)")
     learning_rate: float = option(1e-4, "Adam learning rate")
@@ -106,6 +119,7 @@ class Args(RunArgs):
             (bool(self.reward_coef) and self.group_size < 2,
              "--reward-coef needs --group-size of at least 2 (the reward is centred per task)"),
             (min(self.steps, self.group_size) < 1, "--steps and --group-size must be positive"),
+            (self.teacher_labels < 0, "--teacher-labels must be >= 0"),
         ]
         return [*super().problems(), *(message for failed, message in checks if failed)]
 
@@ -225,6 +239,45 @@ async def score(teacher: Sampler, sequences: Sequence[list[int]]) -> list[list[f
     ))
 
 
+@dataclass(frozen=True)
+class LabelState:
+    """A state the student replied at: its own context, and the teacher's view of it (the
+    teacher's opening followed by the same history)."""
+
+    student: tuple[int, ...]
+    teacher: tuple[int, ...]
+
+
+def label_states(
+    sequence: TokenSequence, student_prompt: Sequence[int], teacher_prompt: Sequence[int]
+) -> list[LabelState]:
+    """One state per reply the student sampled in ``sequence``."""
+    return [LabelState(sequence.tokens[: span.start],
+                       (*teacher_prompt, *sequence.tokens[len(student_prompt): span.start]))
+            for span in sequence.spans]
+
+
+async def teacher_labels(
+    teacher: Sampler, states: Sequence[LabelState], stop: Sequence[int], max_tokens: int,
+    is_finished: Callable[[Sequence[int]], bool],
+) -> list[TokenSequence | None]:
+    """The teacher's greedy reply at each state, as the student's context followed by that
+    reply (one span); ``None`` where the reply was cut by ``max_tokens``."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(stop), seed=0)
+    answers = await asyncio.gather(*(
+        teacher.sample_async(ModelInput.from_ints(list(state.teacher)), num_samples=1,
+                             sampling_params=params)
+        for state in states
+    ))
+    labels: list[TokenSequence | None] = []
+    for state, answer in zip(states, answers, strict=True):
+        reply = answer.sequences[0]
+        labels.append(TokenSequence(state.student).extend(state.student, reply.tokens,
+                                                          reply.logprobs)
+                      if is_finished(reply.tokens) else None)
+    return labels
+
+
 # --------------------------------------------------------------------- training
 def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     """Run (or continue) OPD; returns this invocation's per-step metrics."""
@@ -248,6 +301,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             # teacher's opening followed by everything after the student's
             scored: list[tuple[Episode, int, float]] = []
             sequences: list[list[int]] = []
+            states: list[LabelState] = []
             for task, group in zip(tasks, groups, strict=True):
                 if task["index"] not in openings:
                     openings[task["index"]] = teacher_openings(run, args, task)
@@ -262,8 +316,20 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                                    args.reward_coef * float(reward - rewards.mean())))
                     sequences.append([*teacher_prompt,
                                       *episode.sequence.tokens[len(student_prompt):]])
+                    states += label_states(episode.sequence, student_prompt, teacher_prompt)
             teacher_logprobs = asyncio.run(score(teacher, sequences))
             t2 = time.perf_counter()
+
+            # ---- with --teacher-labels: the teacher's own reply at every state the student
+            # replied at, as cross_entropy datums
+            labels: list[TokenSequence | None] = []
+            if args.teacher_labels:
+                labels = asyncio.run(teacher_labels(
+                    teacher, states, run.renderer.stop_tokens, config.max_tokens,
+                    run.renderer.is_finished))
+            supervised = [cross_entropy_datum(label, args.teacher_labels)
+                          for label in labels if label is not None]
+            t3 = time.perf_counter()
 
             # ---- per-token advantages, one update
             datums: list[Datum] = []
@@ -275,8 +341,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                                                 offset=offset, reward_advantage=reward_advantage)
                 datums.append(datum)
                 gaps.append(gap)
-            trained = run.update(datums)
-            t3 = time.perf_counter()
+            trained = run.update(datums, supervised)
+            t4 = time.perf_counter()
 
             # ---- metrics, then checkpoint
             episodes = [episode for episode, _, _ in scored]
@@ -293,7 +359,11 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 "teacher_logprob_mean": float(student.mean() - kl.mean()) if measured else None,
                 "completion_tokens_per_s": kl.size / (t1 - t0),
                 **trained,
-                "time_rollout": t1 - t0, "time_teacher": t2 - t1, "time_train": t3 - t2,
+                **({"teacher_labels": len(labels),
+                    "teacher_labels_cut": sum(label is None for label in labels)}
+                   if args.teacher_labels else {}),
+                "time_rollout": t1 - t0, "time_teacher": t2 - t1, "time_labels": t3 - t2,
+                "time_train": t4 - t3,
                 "time_step": time.perf_counter() - t0,
             }
             run.finish(step, row, shown={"kl": round(float(row["reverse_kl_mean"] or 0.0), 3)})

@@ -595,19 +595,32 @@ class Run:
         chosen = rng.choice(self.num_tasks, size=count, replace=count > self.num_tasks)
         return [{"index": int(i)} for i in chosen]
 
-    def update(self, datums: list[Datum]) -> Metrics:
+    def update(self, datums: list[Datum], supervised: Sequence[Datum] = ()) -> Metrics:
         """One forward-backward of the run's objective on the step's whole logical batch
         (pytrio normalises by whole-batch totals) and one ``optim_step``; nothing when there
-        are no datums. Returns the update's part of the metrics line."""
+        are no datums. Returns the update's part of the metrics line.
+
+        ``supervised``: ``cross_entropy`` datums trained in the same step, as a second pass
+        whose gradients add to the first's (each pass is its own batch's mean, so the two
+        terms keep their weights however many tokens each has). OPD's teacher labels.
+        """
         metrics: dict[str, float] = {}
+        extra: Metrics = {}
         if datums:
             metrics = dict(self.objective.forward_backward(self.training, datums).result().metrics)
+        if supervised:
+            ce = self.training.forward_backward(list(supervised), "cross_entropy").result()
+            extra = {"supervised_datums": len(supervised),
+                     "supervised_tokens": active_tokens(supervised),
+                     "supervised_loss": ce.metrics.get("loss_mean")}
+        if datums or supervised:
             metrics |= self.training.optim_step(self.adam).result().metrics
         return {
             "datums": len(datums), "trained_tokens": active_tokens(datums),
             "loss": metrics.get("loss_mean"), "loss_sum": metrics.get("loss_sum"),
             "grad_norm": metrics.get("grad_norm"),
             **({"clip_fraction": metrics["clip_fraction"]} if "clip_fraction" in metrics else {}),
+            **extra,
         }
 
     def finish(

@@ -12,7 +12,7 @@ demonstration that does not earn a reward on replay is dropped (and counted): th
 can never teach something the env does not pay for.
 
 Each played demonstration becomes one token-continuous datum, exactly as a sampled episode
-would (``trainers.episode.build_datum``): the action's tokens plus the turn's stop token are
+would (``trainers.episode.cross_entropy_datum``): the action's tokens plus the turn's stop token are
 the "sampled" spans, every prompt and observation position is masked. The loss is pytrio's
 ``cross_entropy`` with weight 1 on each demonstrated token, so ``loss`` is the mean negative
 log-likelihood per demonstrated token.
@@ -44,7 +44,7 @@ import numpy as np
 from pytrio import Datum
 
 from agent_gym.render import ChatRenderer, Conversation
-from trainers.episode import DatumError, TokenSequence, build_datum
+from trainers.episode import DatumError, TokenSequence, cross_entropy_datum
 from trainers.losses import TOKEN_MEAN
 from trainers.run import (
     OUT_HELP,
@@ -177,20 +177,6 @@ def play_demonstration(
     return sequence, reward
 
 
-def sft_datum(sequence: TokenSequence, max_length: int | None = None) -> Datum:
-    """A ``cross_entropy`` datum: weight 1 on every demonstrated token, masked elsewhere.
-
-    Built through ``build_datum`` with advantage 1, whose advantages are then exactly the
-    weights (1 at demonstrated positions, 0 at masked ones), so SFT and RL datums share one
-    alignment and one masking rule.
-    """
-    datum = build_datum(sequence, 1.0, max_length=max_length)
-    inputs = datum.loss_fn_inputs
-    return Datum(model_input=datum.model_input,
-                 loss_fn_inputs={"target_tokens": inputs["target_tokens"],
-                                 "weights": inputs["advantages"]})
-
-
 def demonstration_datums(
     make_env: EnvFactory, renderer: ChatRenderer, demos: Sequence[Demonstration],
     max_length: int,
@@ -206,7 +192,7 @@ def demonstration_datums(
                 dropped["unrewarded"] += 1
                 continue
             try:
-                datums.append(sft_datum(sequence, max_length))
+                datums.append(cross_entropy_datum(sequence, max_length=max_length))
             except DatumError:
                 dropped["too_long"] += 1
     finally:

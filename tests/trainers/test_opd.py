@@ -21,11 +21,14 @@ from trainers.episode import IGNORE_TARGET, Span, TokenSequence
 from trainers.opd import (
     PRIVILEGED_HEADER,
     Args,
+    LabelState,
     TokenizerMismatchError,
     check_tokenizers,
     distillation_datum,
+    label_states,
     parse_args,
     privileged_messages,
+    teacher_labels,
     train,
 )
 from trainers.sft import Args as SftArgs
@@ -67,6 +70,38 @@ def test_multi_turn_advantage_masks_observations_and_follows_the_teacher_offset(
     assert advantages == pytest.approx([0.0, 0.75, -0.75, 0.0, 0.0, 0.5])
     masked = np.array(inputs(datum, "target_tokens")) == IGNORE_TARGET
     assert not np.array(advantages)[masked].any()
+
+
+def test_teacher_labels_are_asked_at_every_state_the_student_replied_at() -> None:
+    # The student's opening 1 2, its reply 3 4, an observation 5 6, its reply 7. The
+    # teacher's opening is 80 81 82: it sees the student's history after its own opening.
+    sequence = TokenSequence((1, 2, 3, 4, 5, 6, 7), (Span(2, (-1.0, -1.5)), Span(6, (-0.5,))))
+    states = label_states(sequence, [1, 2], [80, 81, 82])
+    assert states == [LabelState((1, 2), (80, 81, 82)),
+                      LabelState((1, 2, 3, 4, 5, 6), (80, 81, 82, 3, 4, 5, 6))]
+
+
+def test_a_teacher_label_is_the_teachers_greedy_reply_on_the_students_context() -> None:
+    """The tiny model as teacher: its greedy reply is asked on the teacher's view of the
+    state, and becomes a span after the *student's* context; a cut reply is no label."""
+    import asyncio
+
+    from pytrio import ModelInput, SamplingParams
+
+    from trainers.episode import cross_entropy_datum
+
+    teacher = LocalServiceClient().create_sampling_client("tiny")
+    state = LabelState((5, 6, 7), (9, 10, 11, 12, 13))
+    greedy = teacher.sample(ModelInput.from_ints(list(state.teacher)), num_samples=1,
+                            sampling_params=SamplingParams(max_tokens=4, temperature=0.0,
+                                                           seed=3)).result().sequences[0]
+    (finished,) = asyncio.run(teacher_labels(teacher, [state], [0], 4, lambda _: True))
+    (cut,) = asyncio.run(teacher_labels(teacher, [state], [0], 4, lambda _: False))
+    assert cut is None and finished is not None
+    assert finished.tokens == (5, 6, 7, *greedy.tokens)
+    assert finished.spans == (Span(3, tuple(greedy.logprobs)),)
+    datum = cross_entropy_datum(finished, 0.5)
+    assert inputs(datum, "weights") == [0.0, 0.0, *[0.5] * len(greedy.tokens)]
 
 
 def test_a_missing_teacher_logprob_is_refused() -> None:
@@ -122,6 +157,17 @@ def test_privileged_self_distillation_step_on_a_real_env(tmp_path: Path) -> None
         assert row["reverse_kl_mean"] != 0.0  # the privileged context changes the teacher
     saved = json.loads((tmp_path / "run" / "checkpoint.json").read_text())
     assert saved["step"] == 2
+
+
+def test_teacher_labels_train_in_the_same_step_as_the_distillation(tmp_path: Path) -> None:
+    """With --teacher-labels the teacher answers at each of the student's replies; a
+    cut answer (the tiny model never stops in 6 tokens) is counted and not trained."""
+    args = Args(model="tiny", lora_rank=0, steps=1, batch_size=2, group_size=2, max_tokens=6,
+                teacher_labels=0.5, out=str(tmp_path / "run"), progress=False)
+    (row,) = train(args)
+    assert row["teacher_labels"] == row["episodes"] * row["turns_mean"] > 0
+    assert row["teacher_labels_cut"] == row["teacher_labels"] - row.get("supervised_datums", 0)
+    assert "time_labels" in row and np.isfinite(row["grad_norm"])
 
 
 # ----------------------------------------------------------------------- a real run

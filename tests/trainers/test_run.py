@@ -278,3 +278,38 @@ def test_a_preset_fills_only_the_options_the_command_line_leaves_out() -> None:
         grpo.parse_args(["--preset", "gpu-huge"])
     with pytest.raises(RunConfigError, match="unknown preset"):
         with_preset(sft.Args, "gpu-huge")
+
+
+def test_a_supervised_batch_adds_its_gradient_to_the_same_update(
+    model: str, tmp_path: Path
+) -> None:
+    """``update(datums, supervised)``: one optimizer step on the sum of the objective's
+    gradient and the cross-entropy batch's (each its own batch's mean), so the gradient of
+    both together is the sum of each alone."""
+    import torch
+
+    from trainers.episode import Span, TokenSequence, build_datum, cross_entropy_datum
+
+    policy = build_datum(TokenSequence((3, 4, 5, 6), (Span(2, (-1.0, -1.2)),)), 0.7)
+    label = cross_entropy_datum(TokenSequence((3, 4, 7, 8, 9), (Span(3, (-0.5, -0.5)),)), 0.5)
+
+    def gradients(datums: list, supervised: list) -> tuple[list[torch.Tensor], dict]:
+        with open_run(toy(model, tmp_path / f"run-{len(datums)}-{len(supervised)}"), 1) as run:
+            run.adam = run.adam.model_copy(update={"learning_rate": 0.0})  # keep the weights
+            row = run.update(datums, supervised)
+            # optim_step clears the gradients: recompute them on the unchanged weights
+            if datums:
+                run.objective.forward_backward(run.training, datums).result()
+            if supervised:
+                run.training.forward_backward(supervised, "cross_entropy").result()
+            return [p.grad.clone() for p in run.training.model.parameters()
+                    if p.grad is not None], row
+
+    both, row = gradients([policy], [label])
+    alone_policy, _ = gradients([policy], [])
+    alone_label, label_row = gradients([], [label])
+    assert row["supervised_datums"] == 1 and row["supervised_tokens"] == 2
+    assert row["supervised_loss"] == pytest.approx(label_row["supervised_loss"])
+    assert label_row["datums"] == 0 and label_row["grad_norm"] > 0
+    for total, a, b in zip(both, alone_policy, alone_label, strict=True):
+        torch.testing.assert_close(total, a + b)

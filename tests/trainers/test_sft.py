@@ -19,7 +19,7 @@ from agent_gym.policies import make_policy
 from agent_gym.render import ChatRenderer
 from tests.helpers.chat_templates import smollm2_tokenizer
 from trainers.backends.local import LocalServiceClient
-from trainers.episode import IGNORE_TARGET
+from trainers.episode import IGNORE_TARGET, cross_entropy_datum
 from trainers.sft import (
     Args,
     Demonstration,
@@ -28,7 +28,6 @@ from trainers.sft import (
     parse_args,
     play_demonstration,
     run_demonstrations,
-    sft_datum,
     train,
 )
 
@@ -63,7 +62,7 @@ def test_a_multi_turn_demonstration_trains_only_its_actions() -> None:
     assert sequence.tokens[: sequence.spans[0].start] == tuple(opening)
     assert sequence.spans[1].start > sequence.spans[0].end
     assert sequence.spans[1].end == len(sequence.tokens)
-    datum = sft_datum(sequence)
+    datum = cross_entropy_datum(sequence)
     assert set(datum.loss_fn_inputs) == {"target_tokens", "weights"}
     targets = datum.loss_fn_inputs["target_tokens"].data
     weights = datum.loss_fn_inputs["weights"].data
