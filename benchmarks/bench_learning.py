@@ -53,8 +53,9 @@ OOM killer in step 10 (the results file says which figures came from which run).
 OPD from the ``make run`` SFT checkpoint (10/18 held out) into the base model, 16 steps
 of 4 tasks x 2 episodes at lr 1e-3 with ``--opd-teacher-labels 1``: reverse_kl_mean 1.35
 -> 0.15 (0.11 of its start), held-out student 0/18 -> 7/18 [0.20, 0.61] (27 min at load
-1-2). Without the labels (below, and 24 steps at lr 2e-3: KL 1.78 -> 0.70) the KL falls
-but held-out success stays 0/18.
+1-2); with ``--opd-kl-coef 0`` (the labels alone) 1.49 -> 0.11 and 6/18 [0.16, 0.56], so
+the labels are what teaches. Without them (below, and 24 steps at lr 2e-3: KL 1.78 ->
+0.70) the KL falls but held-out success stays 0/18.
 TEMPO from a 2-epoch SFT checkpoint, 3 warm-up + 4 TD updates: 14 boundary states; after
 warm-up the critic parsed 53/54 samples (98%) but its absolute error was 0.078 against
 0.031 for the best constant (outcomes barely varied: mean target 0.06). OPD from the same
