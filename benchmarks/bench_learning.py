@@ -78,6 +78,7 @@ from trainers.opd import Args as OpdArgs  # noqa: E402
 from trainers.opd import train as opd_train  # noqa: E402
 from trainers.run import read_metrics  # noqa: E402
 from trainers.tempo import Args as TempoArgs  # noqa: E402
+from trainers.tempo import best_constant_error, value_corr  # noqa: E402
 from trainers.tempo import train as tempo_train  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
@@ -337,8 +338,10 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
     """TEMPO from the SFT checkpoint on the train split: critic warm-up on Monte Carlo
     returns, then TD updates. Measured after the warm-up (the TD updates): the critic's
     parse rate over every critic sample, and its absolute error against the best constant
-    in hindsight on the same parsed samples (per update, the median of their targets: the
-    constant is re-fitted to each update, which favours it), both pooled over samples."""
+    in hindsight on the same parsed samples (one constant for all of them: the median of
+    their targets), both pooled over the updates. Also reported: the constant re-fitted to
+    each update's two or so states (not a constant predictor: it knows every update's
+    targets) and the correlation of the critic's per-state mean value with the target."""
     start = needs_checkpoint(options, work, "the starting policy")
     load_start = _load()
     args = TempoArgs(env_id=ENV_ID, env_kwargs={**TRAIN, "max_turns": options.max_turns},
@@ -361,13 +364,18 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
         scored = [row for row in rows if row["critic/parsed"]]
         parsed = sum(row["critic/parsed"] for row in scored)
         error = sum(row["critic/abs_error_mean"] * row["critic/parsed"] for row in scored)
-        constant = sum(row["critic/abs_error_constant"] * row["critic/parsed"] for row in scored)
+        refitted = sum(row["critic/abs_error_constant"] * row["critic/parsed"] for row in scored)
+        states = [state for row in rows for state in row["critic/per_state"]]
+        valued = [(value, target) for target, _, value in states if value is not None]
         return {"updates": len(rows), "critic_samples": samples,
                 "parse_rate": (samples - failed) / samples if samples else None,
                 "trained_samples_parsed": parsed,
                 "abs_error": error / parsed if parsed else None,
-                "abs_error_best_constant": constant / parsed if parsed else None,
-                "states": sum(row["critic/states"] for row in rows),
+                "abs_error_best_constant": best_constant_error(states),
+                "abs_error_constant_refitted_per_update": refitted / parsed if parsed else None,
+                "value_target_corr": value_corr(*zip(*valued, strict=True)) if valued else None,
+                "states": len(states),
+                "targets_distinct": len({round(target, 6) for target, _, _ in states}),
                 "target_mean": _mean([row["critic/target_mean"] for row in rows
                                       if row["critic/target_mean"] is not None] or [0.0])}
 
@@ -398,6 +406,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
         and after["parse_rate"] >= 0.95,
         "abs_error_below_best_constant": after["abs_error"] is not None
         and after["abs_error"] < after["abs_error_best_constant"],
+        "abs_error_below_constant_refitted_per_update": after["abs_error"] is not None
+        and after["abs_error"] < after["abs_error_constant_refitted_per_update"],
     }
     out = Path(options.out)
     _plot_tempo(history, out.with_name(out.stem + "-tempo.png"))
