@@ -330,6 +330,7 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-batch-size", type=int, default=2)
     group.add_argument("--tempo-branches", type=int, default=2)
     group.add_argument("--tempo-critic-samples", type=int, default=4)
+    group.add_argument("--tempo-endpoint-samples", type=int, default=2)
     group.add_argument("--tempo-horizon", type=int, default=1)
     group.add_argument("--tempo-learning-rate", type=float, default=1e-4)
 
@@ -348,7 +349,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      init_from=start,
                      warmup_updates=options.tempo_warmup, td_updates=options.tempo_td,
                      batch_size=options.tempo_batch_size, branches=options.tempo_branches,
-                     critic_samples=options.tempo_critic_samples, endpoint_samples=2,
+                     critic_samples=options.tempo_critic_samples,
+                     endpoint_samples=options.tempo_endpoint_samples,
                      horizon=options.tempo_horizon, fresh_fraction=0.5,
                      max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                      learning_rate=options.tempo_learning_rate, threads=1,
