@@ -376,6 +376,12 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "abs_error_best_constant": best_constant_error(states),
                 "abs_error_constant_refitted_per_update": refitted / parsed if parsed else None,
                 "value_target_corr": value_corr(*zip(*valued, strict=True)) if valued else None,
+                # the critic's estimate as TEMPO uses it at an endpoint (the mean of its
+                # samples), one per state, against the median of the states' targets
+                "abs_error_of_state_means": _mean([abs(v - t) for v, t in valued])
+                if valued else None,
+                "abs_error_best_constant_per_state": best_constant_error(
+                    [[t, 1, v] for v, t in valued]),
                 "states": len(states),
                 "targets_distinct": len({round(target, 6) for target, _, _ in states}),
                 "target_mean": _mean([row["critic/target_mean"] for row in rows
@@ -427,10 +433,16 @@ def _plot_tempo(history: list[dict[str, Any]], path: Path) -> None:
     steps = [row["step"] + 1 for row in history]
     figure, (error_axis, parse_axis) = plt.subplots(1, 2, figsize=(9, 3))
     for key, label, style in (("critic/abs_error_mean", "critic", "-o"),
-                              ("critic/abs_error_constant", "best constant", "--s")):
+                              ("critic/abs_error_constant", "constant fitted per update",
+                               "--s")):
         error_axis.plot(steps, [row[key] for row in history], style, markersize=3, label=label)
+    td = [row for row in history if row["phase"] == "td"]
+    pooled = best_constant_error([state for row in td for state in row["critic/per_state"]])
+    if pooled is not None:
+        error_axis.hlines(pooled, td[0]["step"] + 1, td[-1]["step"] + 1, colors="black",
+                          linestyles=":", label="one constant for all TD updates")
     error_axis.set_ylabel("absolute error of the value")
-    error_axis.legend()
+    error_axis.legend(fontsize=7)
     parse_axis.plot(steps, [1 - (row["critic/parse_failure_rate"] or 0.0) for row in history],
                     "-o", markersize=3)
     parse_axis.axhline(0.95, color="grey", linestyle=":")

@@ -203,6 +203,28 @@ class Critic:
             samples.append(CriticSample(sampled, value))
         return samples
 
+    async def target_reply(
+        self, sampler: Sampler, prompt: list[int], target: float
+    ) -> CriticSample:
+        """The reply that states ``target`` (to two decimals, clipped to [0, R_max]), scored
+        by the current weights, so it trains like a sampled reply with importance ratio 1.
+
+        Sampled replies alone teach nothing once they agree: a critic that answers the same
+        number at every state (SmolLM2 on Search-v0 settled on 0.0 within three warm-up
+        updates) gets K equal rewards, the centred group is degenerate, and its mistakes
+        are never corrected. Trained with the K samples, the target's own reply earns the
+        best reward of its group whenever the samples miss, so the group is never stuck.
+        """
+        value = round(min(max(target, 0.0), self.r_max), 2)
+        text = _number(value) + VALUE_CLOSE
+        tokens = self.renderer.encode(text if self.prefill else VALUE_PREFILL + text)
+        if not self.prefill:
+            tokens.append(self.renderer.stop_tokens[0])
+        scored = await sampler.compute_logprobs_async(ModelInput.from_ints([*prompt, *tokens]))
+        logprobs = [float(v) for v in scored[len(prompt):]]
+        sequence = TokenSequence(tuple(prompt)).extend(prompt, tokens, logprobs)
+        return CriticSample(sequence, value)
+
     async def value(
         self, sampler: Sampler, prompt: list[int], n: int, seed: int
     ) -> tuple[float, list[CriticSample]]:

@@ -113,6 +113,10 @@ class Args(RunArgs):
     critic_max_tokens: int = option(
         16, "tokens per critic reply: the reply is prefilled with <value>, so a number and "
         "</value> (about 8 tokens) is all a parse needs")
+    critic_target_reply: bool = option(
+        True, "train each critic group with one more reply, the one stating its target "
+        "(scored, not sampled), so a critic whose K samples agree still learns "
+        "(--no-critic-target-reply: the sampled replies alone)")
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -286,7 +290,9 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
         tempo.critic.sample(sampler, prompt, args.critic_samples, run.seed(step, "critic", i))
         for i, prompt in zip(chosen, prompts, strict=True)
     ))
-    datums, metrics = critic_update(samples, [asked[i][2] for i in chosen], args.r_max)
+    targets = [asked[i][2] for i in chosen]
+    datums, metrics = critic_update(samples, targets, args.r_max,
+                                    await _target_replies(tempo, sampler, prompts, targets))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
     metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
@@ -378,7 +384,9 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     actor_datums = len(datums)
 
     # ---- critic signals at the start states, against G = mean R
-    critic_datums, metrics = critic_update(start_samples, targets, args.r_max)
+    critic_datums, metrics = critic_update(
+        start_samples, targets, args.r_max,
+        await _target_replies(tempo, sampler, start_prompts, targets))
     datums += critic_datums
 
     # ---- where branches stopped at the horizon with room to go on: new states
@@ -436,9 +444,13 @@ def best_constant_error(per_state: Sequence[Sequence[float | int | None]]) -> fl
 
 
 def critic_update(
-    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], r_max: float
+    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], r_max: float,
+    target_replies: Sequence[CriticSample] | None = None,
 ) -> tuple[list[Datum], Metrics]:
     """Critic datums (rewards centred per start state) and the critic's accuracy metrics.
+
+    ``target_replies`` (one per state, ``Critic.target_reply``) join their state's group
+    for training only: the metrics are the sampled replies' alone.
 
     ``critic/abs_error_constant`` is what the best constant in hindsight would have scored
     on the same parsed samples (``best_constant_error``); a critic below it tells states
@@ -451,7 +463,8 @@ def critic_update(
     matched: list[float] = []
     per_state: list[list[float | int | None]] = []
     degenerate = 0
-    for group, target in zip(samples, targets, strict=True):
+    shown = target_replies if target_replies is not None else [None] * len(samples)
+    for group, target, reply in zip(samples, targets, shown, strict=True):
         values = [s.value for s in group]
         parsed = [v for v in values if v is not None]
         errors += [abs(v - target) for v in parsed]
@@ -460,12 +473,13 @@ def critic_update(
         if mean is not None:
             means.append(mean)
             matched.append(target)
-        advantages = centred(critic_rewards(values, target, r_max))
+        trained = [*group, reply] if reply is not None else list(group)
+        advantages = centred(critic_rewards([s.value for s in trained], target, r_max))
         if advantages is None:
             degenerate += 1
             continue
         datums += [build_datum(s.sequence, float(a))
-                   for s, a in zip(group, advantages, strict=True)]
+                   for s, a in zip(trained, advantages, strict=True)]
     return datums, {
         "critic/abs_error_mean": float(np.mean(errors)) if errors else None,
         "critic/abs_error_constant": best_constant_error(per_state),
@@ -482,6 +496,18 @@ def critic_update(
 
 def _critic_prompt(tempo: Tempo, state: ResumePoint) -> list[int]:
     return tempo.critic.prompt(state.messages, state.opening, state.privileged)
+
+
+async def _target_replies(
+    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]], targets: Sequence[float]
+) -> list[CriticSample] | None:
+    """Each trained state's target reply (``--critic-target-reply``), else None."""
+    if not tempo.args.critic_target_reply:
+        return None
+    return list(await asyncio.gather(*(
+        tempo.critic.target_reply(sampler, prompt, target)
+        for prompt, target in zip(prompts, targets, strict=True)
+    )))
 
 
 def _opening_prompt(tempo: Tempo, episode: Episode) -> list[int]:

@@ -131,6 +131,24 @@ def test_critic_datums_and_the_best_constant_baseline() -> None:
     assert metrics["critic/per_state"] == [[0.0, 2, pytest.approx(0.2)], [1.0, 1, 0.9]]
 
 
+def test_a_target_reply_trains_a_critic_whose_samples_agree() -> None:
+    sequence = TokenSequence((1, 2)).extend([1, 2], [3], [-0.5])
+    agreeing = [CriticSample(sequence, 0.0), CriticSample(sequence, 0.0)]
+    # target 1, both samples say 0: equal rewards, a degenerate group that trains nothing
+    alone, _ = critic_update([agreeing], [1.0], 1.0)
+    assert alone == []
+    # with the target's own reply (reward 0 against -1, -1) the group has a signal
+    datums, metrics = critic_update([agreeing], [1.0], 1.0, [CriticSample(sequence, 1.0)])
+    advantages = [d.loss_fn_inputs["advantages"].data[-1] for d in datums]
+    assert advantages == pytest.approx([-1 / 3, -1 / 3, 2 / 3])
+    # the metrics are the sampled replies' own
+    assert metrics["critic/abs_error_mean"] == 1.0 and metrics["critic/parsed"] == 2
+    assert metrics["critic/datums"] == 3 and metrics["critic/degenerate_group_rate"] == 0.0
+    # samples that already state the target: nothing to correct, still degenerate
+    exact, _ = critic_update([agreeing], [0.0], 1.0, [CriticSample(sequence, 0.0)])
+    assert exact == []
+
+
 def test_one_constant_for_every_update_is_the_median_of_all_their_targets() -> None:
     # update 1: one state, target 0, 2 parsed samples; update 2: target 1, 1 parsed sample.
     # Fitted to each update alone a constant is exact twice; one constant for both is the
