@@ -34,8 +34,9 @@ Sections (``--only``), each merged into ``--out`` under its name, so one can be 
 - ``tempo``: TEMPO from the SFT checkpoint (its outcomes vary, so a constant value is not
   perfect) on the train split, horizon 1: critic warm-up on Monte Carlo returns, then TD
   updates. After the warm-up: the critic's parse rate over all its samples and its
-  absolute error against the best constant in hindsight (per update, the median of the
-  targets) on the same parsed samples. Also ``learning-tempo.png``.
+  absolute error against the best constant in hindsight on the same parsed samples (one
+  constant for all of them, the median of their targets; the constant re-fitted to each
+  update is reported too). Also ``learning-tempo.png``.
 
 SFT here is one epoch at learning rate 1e-3 by default (``--preset cpu-demo``'s, what
 ``make run`` trains); the earlier measurement of 4 epochs at 2e-4 (0/18 -> 14/18 held

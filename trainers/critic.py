@@ -7,7 +7,9 @@ reasons briefly and ends with ``<value>x</value>``: the reward still to come, be
 ``R_max``. Because the critic is the policy, it is trained by the same policy-gradient
 update on its own sampled replies: a reply is rewarded ``-|V_k - G| / R_max`` against a
 target ``G`` (a Monte Carlo return in warm-up, the mean macro-step return in TD updates),
-centred over the K replies to one prompt.
+centred over the K replies to one prompt and the reply that states ``G`` itself (scored by
+the current weights, not sampled: ``Critic.target_reply``). Without that reply a critic
+whose K samples agree gets K equal rewards and no gradient, wrong or not.
 
 By default the reply is *prefilled* with the opening tag: the critic prompt ends with
 ``<value>`` after the assistant header, so the model's first sampled tokens are already the

@@ -16,7 +16,9 @@ V(end) = the mean of M critic samples, or 0 if the episode is over. Then, per gr
     G   = mean_n R_n
     A_n = (R_n - G) * w           actor advantage; w: the prefix importance weight of s
     c_k = -|V_k - G| / R_max      reward of critic sample k at s (-1 if unparsable),
-                                  centred over the K samples
+                                  centred over the K samples and one more reply that
+                                  states G itself (``Critic.target_reply``; its reward is
+                                  0), so K samples that agree on a wrong value still learn
 
 A group whose R_n are all equal, or whose critic rewards are all equal, teaches nothing and
 is skipped (and counted). Before the TD updates, ``warmup_updates`` updates train the critic
