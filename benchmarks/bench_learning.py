@@ -54,6 +54,14 @@ warm-up the critic parsed 53/54 samples (98%) but its absolute error was 0.078 a
 0.031 for the best constant (outcomes barely varied: mean target 0.06). OPD from the same
 checkpoint (teacher 9/18 held out) into the base model, 16 steps at lr 1e-3:
 reverse_kl_mean 0.71 -> 0.75 (not lowered), held-out student 0/18.
+TEMPO from the one-epoch checkpoint with the critic's target reply and the openings in
+warm-up, ``--tempo-warmup 16 --tempo-td 8 --tempo-branches 4 --tempo-critic-samples 4
+--tempo-endpoint-samples 4 --tempo-learning-rate 2e-4`` (23 min, load 1.6-2.1): after
+warm-up 16 states, parse 97.5%, abs error 0.128 against 0.114 for one constant (0.092
+re-fitted per update), value/target correlation -0.09: not below. The critic answers
+about 0 everywhere: most states' targets are 0 (failed episodes are the long ones, so they
+give most boundary states), and for a state that fails more often than not 0 is the
+best answer under absolute error. Not committed to the results file.
 """
 
 from __future__ import annotations
