@@ -7,7 +7,9 @@ reasons briefly and ends with ``<value>x</value>``: the reward still to come, be
 ``R_max``. Because the critic is the policy, it is trained by the same policy-gradient
 update on its own sampled replies: a reply is rewarded ``-|V_k - G| / R_max`` against a
 target ``G`` (a Monte Carlo return in warm-up, the mean macro-step return in TD updates),
-centred over the K replies to one prompt.
+centred over the K replies to one prompt and the reply that states ``G`` itself (scored by
+the current weights, not sampled: ``Critic.target_reply``). Without that reply a critic
+whose K samples agree gets K equal rewards and no gradient, wrong or not.
 
 By default the reply is *prefilled* with the opening tag: the critic prompt ends with
 ``<value>`` after the assistant header, so the model's first sampled tokens are already the
@@ -202,6 +204,28 @@ class Critic:
             sampled = TokenSequence(tuple(prompt)).extend(prompt, tokens, sequence.logprobs)
             samples.append(CriticSample(sampled, value))
         return samples
+
+    async def target_reply(
+        self, sampler: Sampler, prompt: list[int], target: float
+    ) -> CriticSample:
+        """The reply that states ``target`` (to two decimals, clipped to [0, R_max]), scored
+        by the current weights, so it trains like a sampled reply with importance ratio 1.
+
+        Sampled replies alone teach nothing once they agree: a critic that answers the same
+        number at every state (SmolLM2 on Search-v0 settled on 0.0 within three warm-up
+        updates) gets K equal rewards, the centred group is degenerate, and its mistakes
+        are never corrected. Trained with the K samples, the target's own reply earns the
+        best reward of its group whenever the samples miss, so the group is never stuck.
+        """
+        value = round(min(max(target, 0.0), self.r_max), 2)
+        text = _number(value) + VALUE_CLOSE
+        tokens = self.renderer.encode(text if self.prefill else VALUE_PREFILL + text)
+        if not self.prefill:
+            tokens.append(self.renderer.stop_tokens[0])
+        scored = await sampler.compute_logprobs_async(ModelInput.from_ints([*prompt, *tokens]))
+        logprobs = [float(v) for v in scored[len(prompt):]]
+        sequence = TokenSequence(tuple(prompt)).extend(prompt, tokens, logprobs)
+        return CriticSample(sequence, value)
 
     async def value(
         self, sampler: Sampler, prompt: list[int], n: int, seed: int

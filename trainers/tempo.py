@@ -16,13 +16,17 @@ V(end) = the mean of M critic samples, or 0 if the episode is over. Then, per gr
     G   = mean_n R_n
     A_n = (R_n - G) * w           actor advantage; w: the prefix importance weight of s
     c_k = -|V_k - G| / R_max      reward of critic sample k at s (-1 if unparsable),
-                                  centred over the K samples
+                                  centred over the K samples and one more reply that
+                                  states G itself (``Critic.target_reply``; its reward is
+                                  0), so K samples that agree on a wrong value still learn
 
 A group whose R_n are all equal, or whose critic rewards are all equal, teaches nothing and
 is skipped (and counted). Before the TD updates, ``warmup_updates`` updates train the critic
 alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
-2H, ... with target = the reward the episode still collected after that turn. Every update
-sends its actor and critic datums in one ``forward_backward`` and takes one ``optim_step``.
+2H, ... with target = the reward the episode still collected after that turn, and at each
+task's opening (where fresh TD groups start) with target = the mean return of its N
+episodes. Every update sends its actor and critic datums in one ``forward_backward`` and
+takes one ``optim_step``.
 
 Cut replies. A reply cut by ``--max-tokens`` ends a rollout's episode by default (it is
 never shown to the env). For a small model at a CPU reply budget most replies are cut, so
@@ -111,6 +115,10 @@ class Args(RunArgs):
     critic_max_tokens: int = option(
         16, "tokens per critic reply: the reply is prefilled with <value>, so a number and "
         "</value> (about 8 tokens) is all a parse needs")
+    critic_target_reply: bool = option(
+        True, "train each critic group with one more reply, the one stating its target "
+        "(scored, not sampled), so a critic whose K samples agree still learns "
+        "(--no-critic-target-reply: the sampled replies alone)")
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -262,7 +270,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
 
 # --------------------------------------------------------------------- warm-up
 async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
-    """Full episodes; the critic learns the Monte Carlo return at turns H, 2H, ..."""
+    """Full episodes; the critic learns the Monte Carlo return at the openings and at turns
+    H, 2H, ..."""
     run, args, rng = tempo.run, tempo.args, tempo.run.rng(step)
     tasks = run.tasks(rng, args.batch_size)
     groups = await rollout_groups(
@@ -271,24 +280,43 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
         concurrency=args.concurrency,
     )
     episodes = [episode for group in groups for episode in group]
-    # Boundaries before the episode's last turn: the episode went on from there, so the
-    # state is not terminal and the rest of its rewards is a Monte Carlo return.
-    points = [(e, k) for e in episodes for k in range(args.horizon, e.turns, args.horizon)]
-    states = [cut(e, k, step) for e, k in points]
-    returns = [e.reward - sum(e.step_rewards[:k]) for e, k in points]
+    asked = monte_carlo_targets(groups, args.horizon)
+    # Every boundary is stored for TD; the openings are not (TD draws fresh tasks itself).
+    cuts = [cut(e, k, step) if k else None for e, k, _ in asked]
+    states = [state for state in cuts if state is not None]
     # The critic is trained on at most one state per branch rolled out, a TD update's cost.
-    chosen = sorted(rng.choice(len(points), size=min(len(points), len(episodes)), replace=False))
+    chosen = sorted(rng.choice(len(asked), size=min(len(asked), len(episodes)), replace=False))
+    prompts = [_opening_prompt(tempo, asked[i][0]) if cuts[i] is None
+               else _critic_prompt(tempo, cuts[i]) for i in chosen]
     samples = await asyncio.gather(*(
-        tempo.critic.sample(sampler, _critic_prompt(tempo, states[i]), args.critic_samples,
-                            run.seed(step, "critic", i))
-        for i in chosen
+        tempo.critic.sample(sampler, prompt, args.critic_samples, run.seed(step, "critic", i))
+        for i, prompt in zip(chosen, prompts, strict=True)
     ))
-    datums, metrics = critic_update(samples, [returns[i] for i in chosen], args.r_max)
+    targets = [asked[i][2] for i in chosen]
+    datums, metrics = critic_update(samples, targets, args.r_max,
+                                    await _target_replies(tempo, sampler, prompts, targets))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
-    metrics |= {"warmup/boundary_states": len(points), "critic/samples": len(flat),
+    metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
                 "critic/parse_failure_rate": _failure_rate(flat)}
     return Batch(datums, metrics, states)
+
+
+def monte_carlo_targets(
+    groups: Sequence[Sequence[Episode]], horizon: int
+) -> list[tuple[Episode, int, float]]:
+    """Where warm-up may ask the critic, as (episode, turn, target); turn 0 is the opening.
+
+    Each task's opening is where every fresh TD group starts, so the critic must value it
+    too; all N branches left from there, so its target is their mean return (a less noisy
+    estimate than any one of them). Then every boundary H, 2H, ... before an episode's last
+    turn: the episode went on from there, so the state is not terminal and the rewards it
+    still collected are a Monte Carlo return."""
+    asked = [(group[0], 0, float(np.mean([e.reward for e in group]))) for group in groups
+             if group]
+    asked += [(e, k, e.reward - sum(e.step_rewards[:k])) for group in groups for e in group
+              for k in range(horizon, e.turns, horizon)]
+    return asked
 
 
 # --------------------------------------------------------------------- TD update
@@ -322,9 +350,8 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
 
     # ---- critic: K trained samples at each start, M averaged samples at each endpoint
     start_prompts = [
-        _critic_prompt(tempo, g[0].start) if g[0].start is not None else tempo.critic.prompt(
-            g[0].messages[: g[0].opening_messages], g[0].opening_messages, g[0].privileged)
-        for g in groups
+        _critic_prompt(tempo, g[0].start) if g[0].start is not None
+        else _opening_prompt(tempo, g[0]) for g in groups
     ]
     episodes = [e for g in groups for e in g]
     end_prompts = [
@@ -359,7 +386,9 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     actor_datums = len(datums)
 
     # ---- critic signals at the start states, against G = mean R
-    critic_datums, metrics = critic_update(start_samples, targets, args.r_max)
+    critic_datums, metrics = critic_update(
+        start_samples, targets, args.r_max,
+        await _target_replies(tempo, sampler, start_prompts, targets))
     datums += critic_datums
 
     # ---- where branches stopped at the horizon with room to go on: new states
@@ -403,39 +432,59 @@ def actor_update(
     return datums, float(returns.mean())
 
 
+def best_constant_error(per_state: Sequence[Sequence[float | int | None]]) -> float | None:
+    """The mean absolute error of the best constant in hindsight on the parsed critic samples
+    of some states (``[target, parsed samples, mean value]`` each, as ``critic_update``
+    reports them): every parsed sample is scored against its state's target, and the
+    constant is the median of those targets, which minimises the mean absolute error (the
+    mean does not: on targets 0, 0, 1 it scores 0.44, the median 0.33). None: nothing
+    parsed."""
+    scored = [float(target) for target, parsed, _ in per_state for _ in range(int(parsed))]
+    if not scored:
+        return None
+    return float(np.mean(np.abs(np.subtract(scored, np.median(scored)))))
+
+
 def critic_update(
-    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], r_max: float
+    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], r_max: float,
+    target_replies: Sequence[CriticSample] | None = None,
 ) -> tuple[list[Datum], Metrics]:
     """Critic datums (rewards centred per start state) and the critic's accuracy metrics.
 
+    ``target_replies`` (one per state, ``Critic.target_reply``) join their state's group
+    for training only: the metrics are the sampled replies' alone.
+
     ``critic/abs_error_constant`` is what the best constant in hindsight would have scored
-    on the same parsed samples: the median of their targets, which minimises the mean
-    absolute error (the mean does not: on targets 0, 0, 1 it scores 0.44, the median 0.33).
-    A critic below it tells states apart."""
+    on the same parsed samples (``best_constant_error``); a critic below it tells states
+    apart. It is fitted to this update alone; ``critic/per_state`` ([target, parsed
+    samples, their mean value] per state) lets a reader pool updates and fit one constant
+    to all of them, the best constant predictor of the whole run."""
     datums: list[Datum] = []
     errors: list[float] = []
-    scored: list[float] = []  # the target of every parsed sample
     means: list[float] = []
     matched: list[float] = []
+    per_state: list[list[float | int | None]] = []
     degenerate = 0
-    for group, target in zip(samples, targets, strict=True):
+    shown = target_replies if target_replies is not None else [None] * len(samples)
+    for group, target, reply in zip(samples, targets, shown, strict=True):
         values = [s.value for s in group]
         parsed = [v for v in values if v is not None]
         errors += [abs(v - target) for v in parsed]
-        scored += [target] * len(parsed)
-        if parsed:
-            means.append(float(np.mean(parsed)))
+        mean = float(np.mean(parsed)) if parsed else None
+        per_state.append([float(target), len(parsed), mean])
+        if mean is not None:
+            means.append(mean)
             matched.append(target)
-        advantages = centred(critic_rewards(values, target, r_max))
+        trained = [*group, reply] if reply is not None else list(group)
+        advantages = centred(critic_rewards([s.value for s in trained], target, r_max))
         if advantages is None:
             degenerate += 1
             continue
         datums += [build_datum(s.sequence, float(a))
-                   for s, a in zip(group, advantages, strict=True)]
+                   for s, a in zip(trained, advantages, strict=True)]
     return datums, {
         "critic/abs_error_mean": float(np.mean(errors)) if errors else None,
-        "critic/abs_error_constant": float(np.mean(np.abs(np.subtract(
-            scored, np.median(scored))))) if scored else None,
+        "critic/abs_error_constant": best_constant_error(per_state),
         "critic/parsed": len(errors),
         "critic/value_corr": value_corr(means, matched),
         "critic/value_mean": float(np.mean(means)) if means else None,
@@ -443,11 +492,30 @@ def critic_update(
         "critic/states": len(samples),
         "critic/degenerate_group_rate": degenerate / len(samples) if len(samples) else None,
         "critic/datums": len(datums),
+        "critic/per_state": per_state,
     }
 
 
 def _critic_prompt(tempo: Tempo, state: ResumePoint) -> list[int]:
     return tempo.critic.prompt(state.messages, state.opening, state.privileged)
+
+
+async def _target_replies(
+    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]], targets: Sequence[float]
+) -> list[CriticSample] | None:
+    """Each trained state's target reply (``--critic-target-reply``), else None."""
+    if not tempo.args.critic_target_reply:
+        return None
+    return list(await asyncio.gather(*(
+        tempo.critic.target_reply(sampler, prompt, target)
+        for prompt, target in zip(prompts, targets, strict=True)
+    )))
+
+
+def _opening_prompt(tempo: Tempo, episode: Episode) -> list[int]:
+    """The critic's prompt at a fresh episode's start: its opening, no history yet."""
+    opening = episode.opening_messages
+    return tempo.critic.prompt(episode.messages[:opening], opening, episode.privileged)
 
 
 def _failure_rate(samples: Sequence[CriticSample]) -> float | None:

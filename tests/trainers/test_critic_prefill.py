@@ -91,3 +91,25 @@ def test_the_embedded_model_answers_when_prefilled(tmp_path: Any) -> None:
     finally:
         env.close()
     assert parsed >= 6, parsed
+
+
+class ScoringSampler:
+    """Scores any token sequence: the logprob of token i is -i / 100 (none for the first)."""
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
+        tokens = prompt.to_ints()
+        return [None, *(-i / 100 for i in range(1, len(tokens)))]
+
+
+def test_the_target_reply_states_the_target_and_carries_the_current_logprobs() -> None:
+    renderer = ChatRenderer(smollm2_tokenizer())
+    critic = Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0)
+    prompt = critic.prompt(CHAT, 2, {})
+    reply = asyncio.run(critic.target_reply(ScoringSampler(), prompt, 1 / 3))
+    assert reply.value == 0.33
+    (span,) = reply.sequence.spans
+    assert list(reply.sequence.tokens[: span.start]) == prompt  # the prefill stays context
+    assert renderer.tokenizer.decode(list(reply.sequence.completion(0))) == "0.33</value>"
+    assert span.logprobs == tuple(-i / 100 for i in range(len(prompt), len(reply.sequence.tokens)))
+    # a target outside [0, R_max] (a TD return over R_max) is stated at the nearest bound
+    assert asyncio.run(critic.target_reply(ScoringSampler(), prompt, 1.7)).value == 1.0

@@ -25,9 +25,11 @@ from trainers.store import StateStore
 from trainers.tempo import (
     Args,
     actor_update,
+    best_constant_error,
     centred,
     critic_update,
     macro_returns,
+    monte_carlo_targets,
     parse_args,
     prefix_weight,
     train,
@@ -126,6 +128,49 @@ def test_critic_datums_and_the_best_constant_baseline() -> None:
     assert advantages == pytest.approx([0.1, -0.1, 0.45, -0.45])  # centred per state
     _, same = critic_update([samples(0.5, 0.5)], [0.0], 1.0)
     assert same["critic/datums"] == 0 and same["critic/degenerate_group_rate"] == 1.0
+    assert metrics["critic/per_state"] == [[0.0, 2, pytest.approx(0.2)], [1.0, 1, 0.9]]
+
+
+def test_a_target_reply_trains_a_critic_whose_samples_agree() -> None:
+    sequence = TokenSequence((1, 2)).extend([1, 2], [3], [-0.5])
+    agreeing = [CriticSample(sequence, 0.0), CriticSample(sequence, 0.0)]
+    # target 1, both samples say 0: equal rewards, a degenerate group that trains nothing
+    alone, _ = critic_update([agreeing], [1.0], 1.0)
+    assert alone == []
+    # with the target's own reply (reward 0 against -1, -1) the group has a signal
+    datums, metrics = critic_update([agreeing], [1.0], 1.0, [CriticSample(sequence, 1.0)])
+    advantages = [d.loss_fn_inputs["advantages"].data[-1] for d in datums]
+    assert advantages == pytest.approx([-1 / 3, -1 / 3, 2 / 3])
+    # the metrics are the sampled replies' own
+    assert metrics["critic/abs_error_mean"] == 1.0 and metrics["critic/parsed"] == 2
+    assert metrics["critic/datums"] == 3 and metrics["critic/degenerate_group_rate"] == 0.0
+    # samples that already state the target: nothing to correct, still degenerate
+    exact, _ = critic_update([agreeing], [0.0], 1.0, [CriticSample(sequence, 0.0)])
+    assert exact == []
+
+
+def test_one_constant_for_every_update_is_the_median_of_all_their_targets() -> None:
+    # update 1: one state, target 0, 2 parsed samples; update 2: target 1, 1 parsed sample.
+    # Fitted to each update alone a constant is exact twice; one constant for both is the
+    # median of 0, 0, 1 and misses the third sample by 1.
+    first, second = [[0.0, 2, 0.1]], [[1.0, 1, 0.9]]
+    assert best_constant_error(first) == best_constant_error(second) == 0.0
+    assert best_constant_error(first + second) == pytest.approx(1 / 3)
+    assert best_constant_error([[0.5, 0, None]]) is None  # nothing parsed
+
+
+def test_warmup_values_the_openings_and_the_boundaries() -> None:
+    # hand-made episodes: two turns, rewards 0 then 0.5; a second branch that won 1 at once
+    two_turns = hand_made_episode()
+    one_turn = TokenSequence((1, 2, 3)).extend([1, 2, 3], [4, 5], [-0.1, -0.2])
+    at_once = dataclasses.replace(two_turns, sequence=one_turn, reward=1.0, step_rewards=[1.0],
+                                  messages=two_turns.messages[:4], end_reason="terminated")
+    asked = monte_carlo_targets([[two_turns, at_once]], horizon=1)
+    # the opening is worth the mean of both returns; turn 1 of the long one its last 0.5;
+    # the short one ended at its only turn, so it has no boundary
+    assert [(e is two_turns, k, target) for e, k, target in asked] == [
+        (True, 0, pytest.approx(0.75)), (True, 1, pytest.approx(0.5))]
+    assert [k for _, k, _ in monte_carlo_targets([[two_turns]], horizon=2)] == [0]
 
 
 # ----------------------------------------------------------------------- end to end
