@@ -69,7 +69,10 @@ warm-up 16 states, parse 97.5%, abs error 0.128 against 0.114 for one constant (
 re-fitted per update), value/target correlation -0.09: not below. The critic answers
 about 0 everywhere: most states' targets are 0 (failed episodes are the long ones, so they
 give most boundary states), and for a state that fails more often than not 0 is the
-best answer under absolute error. Not committed to the results file.
+best answer under absolute error. With ``--tempo-horizon 2`` (the same flags, 23 min at
+load 1), so that most TD targets are real outcomes rather than the critic's own values:
+parse 100%, abs error 0.107 against 0.095 for one constant, correlation 0.01: not below
+either. Neither run is committed to the results file.
 """
 
 from __future__ import annotations
