@@ -598,7 +598,7 @@ class Run:
     def update(self, datums: list[Datum], supervised: Sequence[Datum] = ()) -> Metrics:
         """One forward-backward of the run's objective on the step's whole logical batch
         (pytrio normalises by whole-batch totals) and one ``optim_step``; nothing when there
-        are no datums. Returns the update's part of the metrics line.
+        are neither datums nor supervised ones. Returns the update's part of the metrics line.
 
         ``supervised``: ``cross_entropy`` datums trained in the same step, as a second pass
         whose gradients add to the first's (each pass is its own batch's mean, so the two

@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import gymnasium
+import pytest
 from pytrio import ModelInput, SamplingParams
 from pytrio.types import SampleResponse, SampleSequence
 
@@ -93,23 +94,21 @@ def test_the_embedded_model_answers_when_prefilled(tmp_path: Any) -> None:
     assert parsed >= 6, parsed
 
 
-class ScoringSampler:
-    """Scores any token sequence: the logprob of token i is -i / 100 (none for the first)."""
-
-    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
-        tokens = prompt.to_ints()
-        return [None, *(-i / 100 for i in range(1, len(tokens)))]
-
-
 def test_the_target_reply_states_the_target_and_carries_the_current_logprobs() -> None:
+    """Scored by a real sampler (the tiny model, SmolLM2's tokenizer): the reply's span
+    holds exactly what ``compute_logprobs`` gives its tokens after the prompt."""
+    from trainers.backends.local import LocalServiceClient
+
+    sampler = LocalServiceClient().create_sampling_client("tiny")
     renderer = ChatRenderer(smollm2_tokenizer())
     critic = Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0)
     prompt = critic.prompt(CHAT, 2, {})
-    reply = asyncio.run(critic.target_reply(ScoringSampler(), prompt, 1 / 3))
+    reply = asyncio.run(critic.target_reply(sampler, prompt, 1 / 3))
     assert reply.value == 0.33
     (span,) = reply.sequence.spans
     assert list(reply.sequence.tokens[: span.start]) == prompt  # the prefill stays context
     assert renderer.tokenizer.decode(list(reply.sequence.completion(0))) == "0.33</value>"
-    assert span.logprobs == tuple(-i / 100 for i in range(len(prompt), len(reply.sequence.tokens)))
+    scored = sampler.compute_logprobs(ModelInput.from_ints(list(reply.sequence.tokens)))
+    assert span.logprobs == pytest.approx(scored.result()[span.start:])
     # a target outside [0, R_max] (a TD return over R_max) is stated at the nearest bound
-    assert asyncio.run(critic.target_reply(ScoringSampler(), prompt, 1.7)).value == 1.0
+    assert asyncio.run(critic.target_reply(sampler, prompt, 1.7)).value == 1.0

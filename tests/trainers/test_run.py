@@ -306,6 +306,10 @@ def test_a_supervised_batch_adds_its_gradient_to_the_same_update(
                     if p.grad is not None], row
 
     both, row = gradients([policy], [label])
+    # the weight scales the term: pytrio divides by the trained targets, not by the weights
+    doubled = cross_entropy_datum(TokenSequence((3, 4, 7, 8, 9), (Span(3, (-0.5, -0.5)),)), 1.0)
+    for half, full in zip(gradients([], [label])[0], gradients([], [doubled])[0], strict=True):
+        torch.testing.assert_close(2 * half, full)
     alone_policy, _ = gradients([policy], [])
     alone_label, label_row = gradients([], [label])
     assert row["supervised_datums"] == 1 and row["supervised_tokens"] == 2
