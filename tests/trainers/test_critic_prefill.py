@@ -97,8 +97,6 @@ def test_the_embedded_model_answers_when_prefilled(tmp_path: Any) -> None:
 def test_the_target_reply_states_the_target_and_carries_the_current_logprobs() -> None:
     """Scored by a real sampler (the tiny model, SmolLM2's tokenizer): the reply's span
     holds exactly what ``compute_logprobs`` gives its tokens after the prompt."""
-    from trainers.backends.local import LocalServiceClient
-
     sampler = LocalServiceClient().create_sampling_client("tiny")
     renderer = ChatRenderer(smollm2_tokenizer())
     critic = Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0)
