@@ -217,8 +217,12 @@ _MS_RDONLY, _MS_REMOUNT, _MS_BIND, _MS_RELATIME, _MNT_DETACH = 0x1, 0x20, 0x1000
 # statvfs flags that are also mount flags, bit for bit (rdonly, nosuid, nodev, noexec,
 # noatime, nodiratime); relatime has a bit of its own in each.
 _KEPT_MOUNT_FLAGS, _ST_RELATIME = 0x1 | 0x2 | 0x4 | 0x8 | 0x400 | 0x800, 0x1000
-_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 1, 24, 38, 47
+_PR_SET_PDEATHSIG, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS, _PR_CAP_AMBIENT = 1, 28, 38, 47
 _PR_CAP_AMBIENT_CLEAR_ALL, _CAPABILITY_VERSION_3, _SIGKILL = 4, 0x20080522, 9
+# Securebits, each with its lock: no capabilities for uid 0 on exec (SECBIT_NOROOT), none
+# raised into the ambient set, no keeping them across a uid change; the set-uid fixup
+# (capabilities cleared when uids change) locked on.
+_LOCKED_SECUREBITS = 0x1 | 0x2 | 0x8 | 0x20 | 0x40 | 0x80
 # Landlock's syscalls have the same numbers on every architecture; ABI 6 added scopes.
 _LANDLOCK_CREATE_RULESET, _LANDLOCK_RESTRICT_SELF, _LANDLOCK_VERSION = 444, 446, 1
 _LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET, _LANDLOCK_SCOPE_SIGNAL = 1, 2
@@ -246,8 +250,6 @@ class _Kernel:
         self.prctl, self.unshare, self.setns = libc.prctl, libc.unshare, libc.setns
         self.mount, self.umount2, self.capset = libc.mount, libc.umount2, libc.capset
         self.syscall, self.madvise, self.malloc_trim = libc.syscall, libc.madvise, libc.malloc_trim
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            self.last_cap = int(f.read())
         abi = self.syscall(_LANDLOCK_CREATE_RULESET, None, 0, _LANDLOCK_VERSION)
         self.landlock_scopes = abi >= 6
         # capset(2)'s header and its three empty sets (permitted, effective, inheritable).
@@ -264,10 +266,20 @@ class _Kernel:
             raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
     def drop_capabilities(self) -> None:
-        """Empty every capability set, the bounding set included, and forbid regaining any."""
+        """Empty every capability set and forbid regaining any.
+
+        The bounding set is left as the new user namespace made it (full): it only caps
+        what an exec adds from a file's capabilities (or, for uid 0, from nothing), and no
+        exec here can add any. ``no_new_privs`` caps an exec's permitted set at the
+        caller's, which is empty; every mount a call can exec from is ``nosuid`` (bwrap's
+        binds and the child's own ``/tmp``, ``/dev/shm`` and ``/proc``), where the kernel
+        ignores file capabilities and set-uid bits outright; the call's uid is never 0 and
+        the locked ``SECBIT_NOROOT`` would give uid 0 nothing anyway; and a namespace of
+        its own, whose bounding set would be full whatever this one is, is forbidden by
+        ``max_user_namespaces``. Emptying it took 41 ``prctl`` calls (~0.1 ms of every
+        call) and guarded nothing those do not."""
         prctl, check = self.prctl, self.check
-        for cap in range(self.last_cap + 1):
-            check(prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), "drop bounding set")
+        check(prctl(_PR_SET_SECUREBITS, _LOCKED_SECUREBITS, 0, 0, 0), "securebits")
         check(prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "ambient")
         check(self.capset(*self.no_capabilities), "capset")
         check(prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
@@ -699,6 +711,7 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
     import socket
     import time
 
+    os.environ.pop("LD_BIND_NOW", None)  # it did its work when the interpreter started
     kernel = _Kernel()
     for module in config["preload_optional"]:
         try:
@@ -706,6 +719,10 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
         except ImportError:
             continue  # not installed for this interpreter
     streams, seeded = _prepare_fresh_state()
+    # One cell of the server's own, compiled and run here: the type-attribute cache entries
+    # of a cell's path are then in the image each child starts from (~20 copied pages
+    # less per call than when every child fills them for itself).
+    _run_cell("x = 1 + 1\nNone", {"__name__": "__main__", "__builtins__": builtins}, 0)
     gc.collect()
     gc.freeze()  # a child's collections never touch (and so never copy) the warm heap
     kernel.malloc_trim(0)  # fewer mapped pages: every fork copies their page tables

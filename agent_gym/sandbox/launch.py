@@ -284,6 +284,11 @@ class Launcher:
         argv += ["--remount-ro", "/", "--chdir", "/tmp"]
         for key, value in SANDBOX_ENV.items():
             argv += ["--setenv", key, value]
+        if forkserver:
+            # Every symbol bound at the server's start instead of at a first call: a child
+            # no longer binds the ones the server never calls (each a lookup and a copied
+            # page). The server unsets it before it forks, so no call sees it.
+            argv += ["--setenv", "LD_BIND_NOW", "1"]
         return [*argv, "--"]
 
     def spawn(
