@@ -471,8 +471,6 @@ def _spare(server: "_Server", sock: object, status_w: int) -> None:
     the cell's outcome goes straight to the host on the call's own outcome pipe (model code
     can write there too, but a line that lies only misreports this very call).
     """
-    import socket
-
     reply = ("fault", "setup")
     outcome = status_w
     try:
@@ -483,7 +481,7 @@ def _spare(server: "_Server", sock: object, status_w: int) -> None:
             _isolate(server.kernel, server.config, server.trees)
             _child_limits(server.config, server.baseline)
             _fresh_state(server)
-            _, fds, _, _ = socket.recv_fds(sock, 16, 4)
+            _, fds, _, _ = server.recv_fds(sock, 16, 4)
             if len(fds) != 4:  # the server is shutting down
                 os._exit(0)
             code_fd, stdout_fd, stderr_fd, outcome_fd = fds
@@ -550,8 +548,17 @@ class _Server:
         streams: tuple,
         seeded: tuple,
     ) -> None:
+        import _socket
         import select
+        import socket
+        import time
 
+        # Bound once: an ``import`` or a module attribute in the loop is pages the server
+        # writes to, and every page it writes to after a fork is copied.
+        self.monotonic, self.send_fds = time.monotonic, socket.send_fds
+        self.recv_fds = socket.recv_fds
+        self.socketpair = _socket.socketpair  # no Python-level socket objects to build
+        self.seqpacket = (_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
         self.kernel, self.config, self.own_pidns = kernel, config, own_pidns
         # The call's streams, and the server's own: referenced here so that a child's
         # ``_use_streams`` does not finalize (flush and close) the server's on every call.
@@ -562,6 +569,7 @@ class _Server:
         self.readable = select.POLLIN
         self.watched: dict[int, _Child] = {}
         self.spares: list[_Child] = []
+        self.running: set[_Child] = set()  # the children with a call to answer
 
     def _watch(self, fd: int, child: _Child) -> None:
         self.watched[fd] = child
@@ -574,10 +582,8 @@ class _Server:
 
     def fork(self) -> _Child:
         """Fork a spare child into a new pid namespace, as its pid 1."""
-        import socket
-
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours, theirs = self.socketpair(*self.seqpacket)
         self.kernel.check(self.kernel.unshare(_NEWPID), "unshare pid")
         try:
             pid = os.fork()
@@ -602,7 +608,7 @@ class _Server:
         per turn of the event loop, or every call would wait for its own child's fork and
         isolation.
         """
-        busy = any(child.reply_w is not None for child in self.watched.values())
+        busy = bool(self.running)
         if busy and self.spares:
             return
         while len(self.spares) < self.config["spares"]:
@@ -612,9 +618,6 @@ class _Server:
 
     def dispatch(self, body: bytes, fds: list) -> None:
         """Hand one request's files to a spare (forked now if none is left) and time it."""
-        import socket
-        import time
-
         *call_fds, verdict_w = fds  # the code, stdout, stderr and outcome files
         try:
             child = self.spares.pop(0) if self.spares else self.fork()
@@ -624,9 +627,10 @@ class _Server:
                 os.close(fd)
             return
         child.reply_w = verdict_w
-        child.deadline = time.monotonic() + float(marshal.loads(body)["timeout"])
+        self.running.add(child)
+        child.deadline = self.monotonic() + float(marshal.loads(body)["timeout"])
         try:
-            socket.send_fds(child.sock, [b"run"], call_fds)
+            self.send_fds(child.sock, [b"run"], call_fds)
         except OSError:
             pass  # the spare died while idle; its exit answers this call
         finally:
@@ -640,14 +644,15 @@ class _Server:
     def _answer(self, child: _Child, reply: tuple) -> None:
         """Tell the host, once, how the call's child ended (it prefers the child's own
         outcome line when there is one)."""
-        import contextlib
-
         if child.reply_w is None:
             return
-        with contextlib.suppress(OSError):  # the host has its answer or gave up
+        try:  # noqa: SIM105 (contextlib would be one more import per call)
             _send(child.reply_w, *reply)
+        except OSError:
+            pass  # the host has its answer or gave up
         os.close(child.reply_w)
         child.reply_w = None
+        self.running.discard(child)
 
     def on_status(self, child: _Child) -> None:
         os.set_blocking(child.status_r, False)
@@ -687,8 +692,8 @@ class _Server:
     def expire(self, now: float) -> float | None:
         """Kill the calls past their deadline; the next deadline, if any."""
         nearest = None
-        for child in set(self.watched.values()):
-            if child.deadline is None or child.killed or child.reply_w is None:
+        for child in self.running:
+            if child.deadline is None or child.killed:
                 continue
             if child.deadline <= now:
                 child.killed = True
@@ -744,9 +749,10 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
     server.refill()
     _send(ctl_out, "ready")
     wait = None
+    monotonic, poll, watched = time.monotonic, server.poller.poll, server.watched
     while True:
-        timeout = None if wait is None else max(0.0, wait - time.monotonic()) * 1000 + 1
-        for fd, _ in server.poller.poll(timeout):
+        timeout = None if wait is None else max(0.0, wait - monotonic()) * 1000 + 1
+        for fd, _ in poll(timeout):
             if fd == requests_fd:
                 body, fds, flags, _ = socket.recv_fds(sock, 4096, 5)
                 if not body and not fds:
@@ -756,13 +762,13 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
                 else:
                     for extra in fds:
                         os.close(extra)
-            elif fd in server.watched:
-                child = server.watched[fd]
+            elif fd in watched:
+                child = watched[fd]
                 if fd == child.pidfd:
                     server.on_exit(child)
                 else:
                     server.on_status(child)
-        wait = server.expire(time.monotonic())
+        wait = server.expire(monotonic())
         server.refill()
 
 
