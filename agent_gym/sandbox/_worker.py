@@ -526,7 +526,7 @@ def _exit_words(status: int, usage: object, cpu_seconds: int) -> tuple:
 class _Child:
     """One forked child, idle (a spare) or running a call, as the server tracks it."""
 
-    __slots__ = ("deadline", "killed", "line", "pid", "pidfd", "reply_w", "sock", "status_r")
+    __slots__ = ("deadline", "killed", "pid", "pidfd", "reply_w", "sock", "status_r")
 
     def __init__(self, pid: int, status_r: int, sock: object) -> None:
         self.pid, self.status_r, self.sock = pid, status_r, sock
@@ -534,7 +534,6 @@ class _Child:
         self.reply_w: int | None = None
         self.deadline: float | None = None
         self.killed = False
-        self.line: str | None = None
 
 
 class _Server:
@@ -596,8 +595,7 @@ class _Server:
             os.close(status_w)
             theirs.close()
         child = _Child(pid, status_r, ours)
-        self._watch(child.pidfd, child)
-        self._watch(status_r, child)
+        self._watch(child.pidfd, child)  # the status pipe is read when the child has ended
         return child
 
     def refill(self) -> None:
@@ -638,8 +636,6 @@ class _Server:
             child.sock = None
             for fd in call_fds:
                 os.close(fd)
-        if child.line is not None:
-            self._answer(child, tuple(child.line.split(" ", 1)))
 
     def _answer(self, child: _Child, reply: tuple) -> None:
         """Tell the host, once, how the call's child ended (it prefers the child's own
@@ -654,35 +650,35 @@ class _Server:
         child.reply_w = None
         self.running.discard(child)
 
-    def on_status(self, child: _Child) -> None:
+    def _read_status(self, child: _Child) -> tuple | None:
+        """What an ended child left on its status pipe: a setup fault, if any. (Not watched
+        while the child lives: its exit comes right after a fault, and a wake-up for the
+        pipe's end in every call cost the server more than the read here.)"""
         os.set_blocking(child.status_r, False)
         try:
             data = os.read(child.status_r, _MAX_STATUS).decode("utf-8", errors="replace")
-        except BlockingIOError:
-            return
-        self._unwatch(child.status_r)
-        child.status_r = -1
+        except BlockingIOError:  # a writer left, which no process of a call should hold
+            data = ""
+        os.close(child.status_r)
         words = data.split("\n")[0].split(" ", 1) if data.endswith("\n") else []
         # Only a spare that has no call yet may report a fault: a call's child closes this
         # pipe before model code runs, so a "fault" cannot be forged to blame the sandbox.
         if words and words[0] == "fault" and child.reply_w is None:
-            child.line = " ".join(words)
+            return tuple(words)
+        return None
 
     def on_exit(self, child: _Child) -> None:
         """Reap a child (pid 1 of its namespace: its whole tree is gone) and say how it ended."""
-        if child.status_r >= 0:
-            self.on_status(child)
+        fault = self._read_status(child)
         _, status, usage = os.wait4(child.pid, 0)
         if child.killed:
             reply: tuple = ("timeout",)
-        elif child.line is not None:
-            reply = tuple(child.line.split(" ", 1))
+        elif fault is not None:
+            reply = fault
         else:  # the code ended the interpreter (os._exit, a signal, the CPU limit)
             reply = _exit_words(status, usage, self.config["cpu_seconds"])
         self._answer(child, reply)
         self._unwatch(child.pidfd)
-        if child.status_r >= 0:
-            self._unwatch(child.status_r)
         if child in self.spares:
             self.spares.remove(child)
         if child.sock is not None:
@@ -763,11 +759,7 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
                     for extra in fds:
                         os.close(extra)
             elif fd in watched:
-                child = watched[fd]
-                if fd == child.pidfd:
-                    server.on_exit(child)
-                else:
-                    server.on_status(child)
+                server.on_exit(watched[fd])
         wait = server.expire(monotonic())
         server.refill()
 
