@@ -79,6 +79,9 @@ class _Server:
         self.worker = worker
         self.pid = pid
         self.pidfd = os.pidfd_open(pid)
+        # Kept open and read from its start before every call (the kernel writes it anew):
+        # no path to build, open and close each time.
+        self.status = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         assert worker.requests is not None
         self.requests = worker.requests
 
@@ -87,19 +90,19 @@ class _Server:
         if not self.worker.alive or select.select([self.pidfd], [], [], 0)[0]:
             return False
         try:
-            status = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
+            status = os.pread(self.status, 1 << 14, 0)
+        except OSError:  # the process is gone
             return False
-        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
         return (
-            fields.get("State", "?")[0] in "RSD"
-            and fields.get("TracerPid") == "0"
-            and fields.get("Threads") == "1"
+            status.partition(b"\nState:\t")[2][:1] in (b"R", b"S", b"D")
+            and b"\nTracerPid:\t0\n" in status
+            and b"\nThreads:\t1\n" in status
         )
 
     def close(self) -> None:
         self.worker.close()
         os.close(self.pidfd)
+        os.close(self.status)
 
 
 def _first_line(data: bytes) -> str | None:
