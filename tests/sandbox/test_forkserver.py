@@ -267,6 +267,14 @@ def test_a_call_holds_no_privilege_and_cannot_create_namespaces(box: StatelessSa
     assert not [line for line in lines[6:] if line.startswith("WROTE")], lines
 
 
+def test_output_a_call_left_unflushed_never_reaches_the_next(box: StatelessSandbox) -> None:
+    """Every call writes through text streams the server made once and never used: a
+    call's unflushed buffer dies with its child."""
+    box.run("import os, sys\nsys.stdout.write('stale')\nsys.stderr.write('stale')\nos._exit(0)")
+    result = box.run("import sys\nprint('fresh')\nprint('fresh too', file=sys.stderr)")
+    assert (result.stdout, result.stderr) == ("fresh\n", "fresh too\n"), result.observation()
+
+
 def test_code_cannot_forge_a_sandbox_fault(box: StatelessSandbox) -> None:
     forged = box.run(
         "import os\nfor fd in range(3, 64):\n    try: os.write(fd, b'fault x\\n')\n    except OSError: pass"
