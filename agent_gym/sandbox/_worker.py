@@ -603,7 +603,7 @@ class _Server:
 
         Every page the server writes to after a fork is copied, since the new child shares
         it: forking the spares back to back and then serving that many calls copies the
-        pages of the server's loop once per burst instead of once per call (~60 of the
+        pages of the server's loop once per burst instead of once per call (~50 of the
         ~140 pages it copied per call). So nothing is forked while more than
         ``_REFILL_AT`` spares are left, and then the spares are refilled at once, whether
         calls run or not (a call never waits for its own child's fork and isolation
