@@ -18,6 +18,9 @@ in the process that runs the rollouts.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,13 +31,51 @@ try:
     from tinker_cookbook import renderers
     from tinker_cookbook.rl import types
     from tinker_cookbook.rl.message_env import EnvFromMessageEnv, MessageEnv, MessageStepResult
-    from tinker_cookbook.tokenizer_utils import get_tokenizer
+    from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 except ImportError as err:  # tinker-cookbook is an optional extra
     raise ImportError("agent_gym.adapters.tinker needs tinker-cookbook: "
                       "pip install 'agent-gym[tinker]'") from err
 
 from agent_gym.state import EnvState
 from agent_gym.tools import format_tool_call
+
+_TOKENIZER_LOCKS: weakref.WeakKeyDictionary[Tokenizer, threading.RLock] = (
+    weakref.WeakKeyDictionary())
+_LOCKS_GUARD = threading.Lock()
+
+
+class TurnTakingTokenizer:
+    """A tokenizer whose calls take turns, one thread at a time.
+
+    tinker-cookbook renders each env's prompt in a worker thread
+    (``EnvFromMessageEnv._render_in_thread``) and its ``get_tokenizer`` hands every group
+    the same cached tokenizer, so a group's envs encode on one Hugging Face fast tokenizer
+    at once. That is not safe (transformers#47085): a group of 8 restored Search-v0 envs
+    came out with ``<|im_end|>`` encoded as 7 text tokens instead of one, and a group of 2
+    with two different first prompts, about once in every 7 test-suite runs. The lock
+    belongs to the tokenizer, so every renderer made here over it shares it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        with _LOCKS_GUARD:
+            self._lock = _TOKENIZER_LOCKS.setdefault(tokenizer, threading.RLock())
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._tokenizer, name)
+        if not callable(value):
+            return value
+
+        @functools.wraps(value)
+        def in_turn(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return value(*args, **kwargs)
+
+        return in_turn
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tokenizer)
 
 
 class AgentGymMessageEnv(MessageEnv):
@@ -141,7 +182,8 @@ class AgentGymEnvGroupBuilder(types.EnvGroupBuilder):
         return {"task_id": self.task_id}
 
     async def make_envs(self) -> Sequence[types.Env]:
-        renderer = renderers.get_renderer(self.renderer_name, get_tokenizer(self.tokenizer))
+        tokenizer = TurnTakingTokenizer(get_tokenizer(self.tokenizer))
+        renderer = renderers.get_renderer(self.renderer_name, tokenizer)
         self._message_envs = [
             AgentGymMessageEnv(self.env_id, dict(self.env_kwargs), self.reset_options(), renderer)
             for _ in range(self.group_size)

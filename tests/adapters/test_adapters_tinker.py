@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -132,3 +133,31 @@ def test_reply_text_writes_tool_calls_for_the_env() -> None:
     dataset = AgentGymRLDataset("agent_gym/GSM8K-v0", {"max_turns": 1}, batch_size=4,
                                 group_size=2, renderer_name="role_colon", tokenizer="unused")
     assert len(dataset) == 54 // 4 and len(dataset.get_batch(0)) == 4
+
+
+END_OF_TURN = 2  # SmolLM2's <|im_end|>
+
+
+def test_a_groups_envs_render_the_same_prompt_while_the_cookbook_renders_them_at_once() -> None:
+    """The cookbook renders every env's first prompt in a thread of its own, on one shared
+    tokenizer; without turn-taking, 18 of 30 groups of 8 had a member whose prompt differed
+    (special tokens encoded as text)."""
+    import gymnasium
+
+    env = gymnasium.make("agent_gym/Search-v0", max_turns=4)
+    _, info = env.reset(options={"task_id": "q000"})
+    env.step(info["privileged"]["oracle_actions"][0])
+    state = env.unwrapped.save_state().to_json()
+    env.close()
+
+    async def first_prompts(envs: Sequence[Any]) -> list[list[int]]:
+        observations = await asyncio.gather(*(e.initial_observation() for e in envs))
+        return [ob.to_ints() for ob, _ in observations]
+
+    for _ in range(5):
+        group_builder = builder(env_id="agent_gym/Search-v0", env_kwargs={"max_turns": 4},
+                                renderer_name="qwen3", task_id=None, state=state, group_size=8)
+        prompts = asyncio.run(first_prompts(asyncio.run(group_builder.make_envs())))
+        asyncio.run(group_builder.cleanup())
+        assert all(p == prompts[0] for p in prompts)
+        assert END_OF_TURN in prompts[0]  # one token, not its spelling
