@@ -72,7 +72,9 @@ give most boundary states), and for a state that fails more often than not 0 is 
 best answer under absolute error. With ``--tempo-horizon 2`` (the same flags, 23 min at
 load 1), so that most TD targets are real outcomes rather than the critic's own values:
 parse 100%, abs error 0.107 against 0.095 for one constant, correlation 0.01: not below
-either. Neither run is committed to the results file.
+either. That run is the results file's ``tempo`` section (it replaced figures of code
+before the target reply). Whether the critic can learn these values at all, without TEMPO
+around it: ``bench_critic.py``.
 """
 
 from __future__ import annotations
