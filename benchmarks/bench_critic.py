@@ -1,0 +1,233 @@
+"""Can TEMPO's critic, the policy's own weights, learn Search-v0's values at all?
+
+    python benchmarks/bench_critic.py --checkpoint runs/demo/sft/checkpoints/RUN/step-000014
+
+TEMPO's runs (``bench_learning.py --only tempo``) never brought the critic below the best
+constant. This benchmark asks the question without TEMPO around it: no TD targets, no
+actor update sharing the weights, no policy drift, just the critic learning values from
+the most direct signal it can get.
+
+States are collected as TEMPO's warm-up collects them (``monte_carlo_targets``): the
+checkpoint plays ``--branches`` episodes of every train-split question at temperature 1,
+and the critic is asked at each task's opening (target: the mean return of its branches)
+and after every turn before an episode's last (target: the reward it still collected).
+This is done twice with different seeds. The first collection trains, the second measures:
+the same questions, new episodes, the easiest generalisation a TD critic needs.
+
+Training is cross-entropy on the reply that states each target (``Critic.target_reply``),
+``--epochs`` passes over ``--train-states`` states. Measured on ``--test-states`` states
+of the second collection, each against the best constant under absolute error (the median
+of the training targets) on the same states:
+
+- the greedy value;
+- every one of 4 replies at temperature 1 (what ``bench_learning`` scores);
+- the median of those 4 replies.
+
+Also reported: what a predictor would score that knows the question, whether the state is
+an opening, and whether a gold answer's string appears in the history so far. It takes the
+median target of its cell in the training collection, so it bounds what those cues carry.
+
+Writes ``benchmarks/results/critic.json``. About 45 minutes on one thread of this machine.
+
+Measured from the ``make run`` SFT checkpoint (10/18 held out), with the defaults: 368 + 359
+states, 71% of targets 0. Absolute errors, greedy / each reply at temperature 1 / median
+of 4, against the best constant (0.0) on the same states:
+
+- before training: 0.686 / 0.612 / 0.635 against 0.26 (the critic says 0.9);
+- after 1 epoch: 0.253 / 0.261 / 0.248 against 0.255;
+- after 2 epochs (train loss 0.17): 0.265 / 0.278 / 0.254 against 0.255.
+
+The value/target correlation is 0.10-0.16, against 0.47 for the cue predictor, which
+scores 0.193. So the critic ties the constant at best: at this size and with this much
+data it does not learn to read the cues its prompt holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trainers.critic import Critic, CriticSample  # noqa: E402
+from trainers.episode import cross_entropy_datum  # noqa: E402
+from trainers.rollout import RolloutConfig, rollout_groups  # noqa: E402
+from trainers.run import Run, Sampler, device_defaults, open_run  # noqa: E402
+from trainers.store import cut  # noqa: E402
+from trainers.tempo import Args, monte_carlo_targets  # noqa: E402
+
+ENV_ID = "agent_gym/Search-v0"
+RESULTS = ROOT / "benchmarks" / "results" / "critic.json"
+TASKS_PER_ROLLOUT = 8
+HOT_SAMPLES = 4
+
+
+def collect(run: Run, sampler: Sampler, critic: Critic, config: RolloutConfig,
+            seed: int, questions: int) -> list[dict[str, Any]]:
+    """Every critic state of ``--branches`` episodes per train question, with its target."""
+    states = []
+    for first in range(0, questions, TASKS_PER_ROLLOUT):
+        tasks = [{"index": i} for i in range(first, min(first + TASKS_PER_ROLLOUT, questions))]
+        groups = asyncio.run(rollout_groups(
+            run.envs, tasks, sampler, run.renderer, config,
+            seeds=[seed + first + g for g in range(len(tasks))],
+            concurrency=run.args.concurrency))
+        for episode, turn, target in monte_carlo_targets(groups, 1):
+            if turn == 0:
+                opening = episode.opening_messages
+                messages, privileged = episode.messages[:opening], episode.privileged
+            else:
+                point = cut(episode, turn, 0)
+                messages, opening, privileged = point.messages, point.opening, point.privileged
+            history = " ".join(str(m.get("content", "")) for m in messages[opening:])
+            answers = [str(a).lower() for a in privileged.get("answers", [])]
+            states.append({
+                "task": episode.task_id, "turn": turn, "target": target,
+                "prompt": critic.prompt(messages, opening, privileged),
+                "answer_in_history": any(a in history.lower() for a in answers),
+            })
+    return states
+
+
+def scores(values: Sequence[float | None], targets: Sequence[float],
+           constant: float) -> dict[str, Any]:
+    """Absolute error of the parsed values and of ``constant`` on the same states."""
+    pairs = [(v, t) for v, t in zip(values, targets, strict=True) if v is not None]
+    if not pairs:
+        return {"parsed": 0, "of": len(values)}
+    v, t = np.array(pairs).T
+    corr = float(np.corrcoef(v, t)[0, 1]) if np.ptp(v) and np.ptp(t) else None
+    return {"parsed": len(pairs), "of": len(values),
+            "abs_error": round(float(np.abs(v - t).mean()), 4),
+            "abs_error_best_constant": round(float(np.abs(t - constant).mean()), 4),
+            "value_mean": round(float(v.mean()), 4), "value_target_corr": corr}
+
+
+def measure(run: Run, greedy: Critic, hot: Critic, test: list[dict[str, Any]],
+            constant: float) -> dict[str, Any]:
+    sampler = run.training.save_weights_and_get_sampling_client()
+
+    async def replies(critic: Critic, n: int) -> list[list[CriticSample]]:
+        return list(await asyncio.gather(*(critic.sample(sampler, s["prompt"], n, i)
+                                           for i, s in enumerate(test))))
+
+    targets = [s["target"] for s in test]
+    first = [r[0].value for r in asyncio.run(replies(greedy, 1))]
+    sampled = asyncio.run(replies(hot, HOT_SAMPLES))
+    each = [r.value for rs in sampled for r in rs]
+    medians = [float(np.median(parsed)) if (parsed := [r.value for r in rs
+                                                       if r.value is not None]) else None
+               for rs in sampled]
+    return {"greedy": scores(first, targets, constant),
+            "temperature_1_each_reply": scores(
+                each, [t for t in targets for _ in range(HOT_SAMPLES)], constant),
+            "temperature_1_median_of_4": scores(medians, targets, constant)}
+
+
+async def stated(critic: Critic, sampler: Sampler,
+                 states: list[dict[str, Any]]) -> list[CriticSample]:
+    """The replies stating each state's target, to train on."""
+    return list(await asyncio.gather(*(critic.target_reply(sampler, s["prompt"], s["target"])
+                                       for s in states)))
+
+
+def cue_bound(train: list[dict[str, Any]], test: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median training target of each (question, opening?, answer in history?) cell,
+    scored on the test states (a cell never seen predicts the overall median)."""
+    cells: dict[tuple, list[float]] = defaultdict(list)
+    for s in train:
+        cells[(s["task"], s["turn"] == 0, s["answer_in_history"])].append(s["target"])
+    overall = float(np.median([s["target"] for s in train]))
+    guesses = [float(np.median(cells[key])) if (key := (s["task"], s["turn"] == 0,
+                                                        s["answer_in_history"])) in cells
+               else overall for s in test]
+    return scores(guesses, [s["target"] for s in test], overall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", required=True, help="the policy (an SFT checkpoint)")
+    parser.add_argument("--branches", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--train-states", type=int, default=192)
+    parser.add_argument("--test-states", type=int, default=100)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--questions", type=int, default=None,
+                        help="the first N train questions only (default: all 56)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--work", default="runs/bench-critic", help="the run's directory")
+    parser.add_argument("--out", default=str(RESULTS))
+    options = parser.parse_args()
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    args = device_defaults(Args(
+        env_id=ENV_ID, env_kwargs={"split": "train", "max_turns": options.max_turns},
+        init_from=options.checkpoint, learning_rate=options.learning_rate,
+        max_tokens=options.max_tokens, max_trajectory_tokens=4096, threads=options.threads,
+        out=options.work, progress=False, branches=options.branches))
+    with open_run(args, 1) as run:
+        greedy = Critic(run.renderer, r_max=1.0, max_tokens=args.critic_max_tokens,
+                        temperature=0.0)
+        hot = Critic(run.renderer, r_max=1.0, max_tokens=args.critic_max_tokens,
+                     temperature=1.0)
+        config = RolloutConfig(max_turns=run.max_turns, group_size=options.branches,
+                               max_tokens=options.max_tokens, max_trajectory_tokens=4096,
+                               temperature=1.0, keep_states=True, cut_continues=True)
+        sampler = run.training.save_weights_and_get_sampling_client()
+        questions = min(options.questions or run.num_tasks, run.num_tasks)
+        pools = [collect(run, sampler, greedy, config, seed, questions)
+                 for seed in (0, 10_000)]
+        chooser = random.Random(0)
+        train = chooser.sample(pools[0], min(len(pools[0]), options.train_states))
+        test = chooser.sample(pools[1], min(len(pools[1]), options.test_states))
+        constant = float(np.median([s["target"] for s in train]))
+        print(f"{len(pools[0])} + {len(pools[1])} states; constant {constant}", flush=True)
+        rows = [{"epoch": 0, **measure(run, greedy, hot, test, constant)}]
+        print(json.dumps(rows[-1]), flush=True)
+        for epoch in range(1, options.epochs + 1):
+            sampler = run.training.save_weights_and_get_sampling_client()
+            order = chooser.sample(train, len(train))
+            losses = []
+            for first in range(0, len(order), options.batch):
+                batch = order[first:first + options.batch]
+                replies = asyncio.run(stated(greedy, sampler, batch))
+                datums = [cross_entropy_datum(r.sequence) for r in replies]
+                losses.append(run.update([], supervised=datums)["supervised_loss"])
+            rows.append({"epoch": epoch, "train_loss": round(float(np.mean(losses)), 4),
+                         **measure(run, greedy, hot, test, constant)})
+            print(json.dumps(rows[-1]), flush=True)
+    all_states = pools[0] + pools[1]
+    targets = np.array([s["target"] for s in all_states])
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "settings": vars(options),
+        "states": {"train_pool": len(pools[0]), "test_pool": len(pools[1]),
+                   "trained": len(train), "measured": len(test),
+                   "target_mean": round(float(targets.mean()), 4),
+                   "target_zero_fraction": round(float((targets == 0).mean()), 4)},
+        "best_constant": constant,
+        "by_epoch": rows,
+        "cue_bound": cue_bound(train, test),
+        "seconds": round(time.perf_counter() - started, 1),
+        "load_1min": {"start": load_start, "end": os.getloadavg()[0]},
+    }
+    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"cue_bound": result["cue_bound"], "seconds": result["seconds"]}))
+
+
+if __name__ == "__main__":
+    main()
