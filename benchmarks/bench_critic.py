@@ -214,7 +214,8 @@ def main() -> None:
     targets = np.array([s["target"] for s in all_states])
     result = {
         "command": " ".join(["python", *sys.argv]),
-        "settings": vars(options),
+        # the results file's own path as the repository names it, not this machine's
+        "settings": vars(options) | {"out": os.path.relpath(options.out, ROOT)},
         "states": {"train_pool": len(pools[0]), "test_pool": len(pools[1]),
                    "trained": len(train), "measured": len(test),
                    "target_mean": round(float(targets.mean()), 4),

@@ -73,6 +73,11 @@ class TurnTakingTokenizer:
 
         return in_turn
 
+    # Special methods are looked up on the type, never through ``__getattr__``.
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._tokenizer)
