@@ -18,8 +18,10 @@
   with the prefix cache and without it (same seeds, hence the same episode).
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
   time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
-  process) of the new pass against the full-logits pass (today's ``_losses``, reimplemented
-  here), on unrelated datums and on one GRPO group's datums (one shared prompt).
+  process) of the new pass against the full-logits pass (today's learner, reimplemented
+  here: whole datums in the same microbatches, logits everywhere), on unrelated datums, on
+  one GRPO group's datums (one shared prompt) and on 8 TEMPO-like branches resumed from one
+  500-token state (180-token replies).
 - grpo: one GRPO step on GSM8K-v0 at the CPU defaults (``runtime.CPU_DEFAULTS``), with its
   phase split, and the step-cost estimate for it and for the GPU-scale defaults.
 
@@ -48,12 +50,18 @@ from typing import Any
 
 import torch
 from pytrio import Datum, ModelInput, SamplingParams
+from pytrio.client.training_batch import plan_training_batch
 from pytrio.types import SampleResponse, SampleSequence
 
 from agent_gym.render import ChatRenderer, Conversation
 from trainers.backends.batching import LENGTH, STOP
-from trainers.backends.local import LocalServiceClient, LocalTrainingClient
-from trainers.backends.losses import token_losses
+from trainers.backends.local import (
+    CPU_MICROBATCH_TOKENS,
+    LocalServiceClient,
+    LocalTrainingClient,
+    _microbatches,
+)
+from trainers.backends.losses import check_loss, token_losses
 from trainers.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
 from trainers.backends.sampler import LocalSamplingClient
 from trainers.rollout import RolloutConfig, rollout_groups
@@ -328,20 +336,26 @@ def bench_prefill(service: LocalServiceClient, turns: int = 10) -> dict[str, Any
 
 
 # --------------------------------------------------------------------------- learner
-def learner_datums(shared: bool, count: int = 8, length: int = 300,
-                   masked: float = 0.4) -> list[Datum]:
-    """8 datums of 300 tokens whose first 40% of positions are masked (the prompt); with
-    ``shared`` they are one GRPO group (one prompt, 8 sampled replies), else unrelated."""
+# What each learner case holds: (masked opening tokens, shared by all 8 datums?).
+LEARNER_CASES = {
+    "unrelated": (120, False),  # 8 prompts of 120 tokens, 180-token replies: 40% masked
+    "grpo_group": (120, True),  # one GRPO group: the same prompt, 8 sampled replies
+    "tempo_branches": (500, True),  # 8 branches resumed from one saved 500-token state
+}
+
+
+def learner_datums(case: str, count: int = 8, reply: int = 180) -> list[Datum]:
+    """``count`` datums of ``LEARNER_CASES[case]``'s masked opening plus a ``reply``-token
+    trained reply (the last opening token predicts the reply's first)."""
+    opening, shared = LEARNER_CASES[case]
     generator = torch.Generator().manual_seed(0)
-    prompt_length = int(length * masked) + 1
-    prompt = torch.randint(10, 49000, (prompt_length,), generator=generator).tolist()
+    prompt = torch.randint(10, 49000, (opening + 1,), generator=generator).tolist()
     datums = []
     for _ in range(count):
         if not shared:
-            prompt = torch.randint(10, 49000, (prompt_length,), generator=generator).tolist()
-        reply = torch.randint(10, 49000, (length + 1 - prompt_length,), generator=generator)
-        tokens = prompt + reply.tolist()
-        targets = [-100 if i < prompt_length - 1 else t for i, t in enumerate(tokens[1:])]
+            prompt = torch.randint(10, 49000, (opening + 1,), generator=generator).tolist()
+        tokens = prompt + torch.randint(10, 49000, (reply,), generator=generator).tolist()
+        targets = [-100 if i < opening else t for i, t in enumerate(tokens[1:])]
         datums.append(Datum(
             model_input=ModelInput.from_ints(tokens[:-1]),
             loss_fn_inputs={
@@ -355,10 +369,9 @@ def learner_datums(shared: bool, count: int = 8, length: int = 300,
 
 def full_logits_losses(
     client: LocalTrainingClient, batch: Sequence[Any], loss_fn: str, config: dict[str, float]
-) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Today's learner pass: logits and log-softmax at every position (the baseline)."""
-    lengths = [len(s.model_input) for s in batch]
-    width = max(lengths)
+) -> torch.Tensor:
+    """Per-token losses with logits and log-softmax at every position of every row."""
+    width = max(len(s.model_input) for s in batch)
 
     def padded(rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype) -> torch.Tensor:
         out = torch.full((len(rows), width), fill, dtype=dtype)
@@ -367,7 +380,7 @@ def full_logits_losses(
         return out
 
     ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
-    mask = padded([[1] * n for n in lengths], 0, torch.long)
+    mask = padded([[1] * len(s.model_input) for s in batch], 0, torch.long)
     targets = padded([s.target_tokens for s in batch], -100, torch.long)
     counted = targets != -100
     inputs = {"logprobs": padded([s.logprobs for s in batch], 0.0, torch.float32),
@@ -375,7 +388,26 @@ def full_logits_losses(
     logits = client.model(input_ids=ids, attention_mask=mask).logits.float()
     picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
     logprobs = torch.where(counted, picked - torch.logsumexp(logits, dim=-1), 0.0)
-    return token_losses(loss_fn, logprobs, inputs, counted, config), logprobs, lengths
+    return token_losses(loss_fn, logprobs, inputs, counted, config)
+
+
+def full_logits_forward_backward(
+    client: LocalTrainingClient, datums: Sequence[Datum], loss_fn: str
+) -> dict[str, float]:
+    """Today's learner pass, the baseline: every datum whole, in consecutive microbatches
+    of the backend's token budget, logits at every position; the same loss normalisation."""
+    plan = plan_training_batch(list(datums), loss_fn=loss_fn, auto_shift=False,
+                               limits=client._limits, tokenizer_vocab_size=client.vocab_size)
+    samples = [s for chunk in plan.chunks for s in chunk.samples]
+    denominator = plan.totals.total_active_tokens
+    config = check_loss(loss_fn, None)
+    loss_sum = 0.0
+    budget = client._service.microbatch_tokens
+    for part in _microbatches([len(s.model_input) for s in samples], budget):
+        total = full_logits_losses(client, [samples[i] for i in part], loss_fn, config).sum()
+        (total / denominator).backward()
+        loss_sum += float(total.detach())
+    return {"loss_mean": loss_sum / denominator, "token_count": float(denominator)}
 
 
 def _rss_kb(field: str) -> int:
@@ -385,19 +417,19 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def learner_variant(variant: str, shared: bool) -> dict[str, Any]:
+def learner_variant(variant: str, case: str) -> dict[str, Any]:
     """One forward_backward in this process; peak = RSS high-water mark above the RSS before."""
     with tempfile.TemporaryDirectory() as tmp:
         service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1)
         client = service.create_lora_training_client("smollm2", rank=32, seed=0)
-        if variant == "full":
-            client._losses = lambda batch, loss_fn, config: full_logits_losses(  # type: ignore[method-assign]
-                client, batch, loss_fn, config)
-        datums = learner_datums(shared)
+        datums = learner_datums(case)
         before = _rss_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
         start, start_cpu = time.perf_counter(), time.process_time()
-        metrics = client.forward_backward(datums, "importance_sampling").result().metrics
+        if variant == "full":
+            metrics = full_logits_forward_backward(client, datums, "importance_sampling")
+        else:
+            metrics = client.forward_backward(datums, "importance_sampling").result().metrics
         elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         peak = _rss_kb("VmHWM")
         grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum()
@@ -409,14 +441,16 @@ def learner_variant(variant: str, shared: bool) -> dict[str, Any]:
 
 
 def bench_learner(repeats: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"datums": 8, "tokens_per_datum": 300, "masked_fraction": 0.4}
-    for datums in ("unrelated", "grpo_group"):
+    out: dict[str, Any] = {"datums": 8, "reply_tokens": 180, "microbatch_tokens":
+                           CPU_MICROBATCH_TOKENS, "masked_opening_tokens":
+                           {case: opening for case, (opening, _) in LEARNER_CASES.items()}}
+    for datums in LEARNER_CASES:
         runs: dict[str, list[dict[str, Any]]] = {"full": [], "skip": []}
         for _ in range(repeats):
             for variant in ("full", "skip"):  # alternated, so load drift hits both
                 command = [sys.executable, __file__, "--learner-variant", variant]
                 done = subprocess.run(
-                    command + (["--learner-shared"] if datums == "grpo_group" else []),
+                    [*command, "--learner-datums", datums],
                     check=True, capture_output=True, text=True,
                     # Every allocation mmap'd: freed tensors leave the RSS at once, so the RSS
                     # high-water mark is the peak of live memory, not of malloc's arenas.
@@ -475,10 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
     parser.add_argument("--learner-repeats", type=int, default=2)
     parser.add_argument("--learner-variant", choices=("full", "skip"), help=argparse.SUPPRESS)
-    parser.add_argument("--learner-shared", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--learner-datums", choices=tuple(LEARNER_CASES), default="unrelated",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.learner_variant:
-        print(json.dumps(learner_variant(args.learner_variant, args.learner_shared)))
+        print(json.dumps(learner_variant(args.learner_variant, args.learner_datums)))
         return 0
     sections: dict[str, Callable[[], dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:

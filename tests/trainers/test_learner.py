@@ -148,7 +148,7 @@ def test_shared_prompts_are_computed_once_with_the_full_pass_gradient(tmp_path: 
     reference = copy.deepcopy(client.model)
     batch = group_datums(seed=0)
     groups = shared_prefixes([lead(d) for d in batch], MIN_SHARED_PREFIX)
-    assert sorted((len(rows), prefix) for rows, prefix in groups) == [(2, 0), (3, 16), (4, 19)]
+    assert sorted((len(rows), prefix) for rows, prefix in groups) == [(3, 0), (3, 16), (4, 19)]
 
     output = client.forward_backward(batch, "ppo").result()
     expected = full_pass(reference, batch, "ppo")
@@ -170,3 +170,38 @@ def test_a_microbatch_with_nothing_counted_is_skipped(tmp_path: Path) -> None:
     output = client.forward_backward(batch, "importance_sampling").result()
     expected = full_pass(copy.deepcopy(client.model), batch, "importance_sampling")
     assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5)
+
+
+def test_a_shared_prompt_runs_once_across_microbatches(tmp_path: Path) -> None:
+    """With room for one branch per pass, a group's prompt still runs once, and the
+    gradient is still the full pass's (each microbatch adds its share to the prefix)."""
+    service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
+                                 microbatch_tokens=30, logit_chunk=5)
+    client = service.create_lora_training_client("tiny:4", rank=4, seed=2)
+    with torch.no_grad():
+        for name, parameter in client.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+    reference = copy.deepcopy(client.model)
+    batch = group_datums(seed=3)
+    widths: list[int] = []
+    body = client._body
+    hook = body.register_forward_pre_hook(
+        lambda _module, _args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True,
+    )
+    output = client.forward_backward(batch, "importance_sampling").result()
+    hook.remove()
+    assert sorted(w for w in widths if w in (16, 19)) == [16, 19]  # each prompt once
+    assert len(widths) > 5  # and the branches did fall into several passes
+    expected = full_pass(reference, batch, "importance_sampling")
+    expected.backward()
+    assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    grads = dict(reference.named_parameters())
+    for name, parameter in client.model.named_parameters():
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    for datum, out in zip(batch, output.loss_fn_outputs, strict=True):
+        assert len(out["logprobs"].data) == len(datum.model_input)
+        assert (torch.tensor(out["logprobs"].data) != 0).sum() == sum(
+            t != -100 for t in datum.loss_fn_inputs["target_tokens"].data)

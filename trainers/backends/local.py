@@ -18,7 +18,8 @@ local Hugging Face directory). Checkpoint paths are plain directories.
 The learner computes only what the trained positions depend on, with the same loss and
 gradient as the full-logits pass: the LM head and log-softmax run only where a target trains
 (``trainers.backends.logprobs``), rows stop at their last trained position, and rows opening
-with the same untrained prompt (a GRPO group) run that prompt once (``_trained_hidden``).
+with the same untrained prompt (a GRPO group, TEMPO's branches from one saved state) run that
+prompt once per call, whatever microbatches they fall into (``SharedPrefix``).
 ``device`` and ``threads`` pick where it runs (``trainers.backends.runtime``).
 """
 
@@ -366,24 +367,34 @@ class LocalTrainingClient:
         )
         samples = [s for chunk in plan.chunks for s in chunk.samples]
         denominator = plan.totals.total_active_tokens
-        outputs: list[dict[str, TensorData]] = []
+        outputs: list[dict[str, TensorData]] = [{} for _ in samples]
         loss_sum = 0.0
-        for batch in _microbatches(samples, self._service.microbatch_tokens):
-            with torch.set_grad_enabled(backward):
-                terms, logprobs, lengths = self._losses(batch, loss_fn, config)
-                total = terms.sum()
-                if backward and denominator and total.requires_grad:  # else nothing trains here
-                    (total / denominator).backward()
-            loss_sum += float(total.detach())
-            for row, length in enumerate(lengths):
-                outputs.append(
-                    {
-                        "logprobs": TensorData.from_torch(logprobs[row, :length].detach().cpu()),
+        leads = [_lead(s, loss_fn) for s in samples]
+        # Rows opening with the same untrained tokens (a GRPO group's prompt, TEMPO branches'
+        # resumed history) run that prefix once for all their microbatches, not once each.
+        for rows, shared in shared_prefixes(leads, MIN_SHARED_PREFIX):
+            with torch.set_grad_enabled(backward), autocast(self.device):
+                prefix = (SharedPrefix(self._body, samples[rows[0]].model_input.to_ints()[:shared],
+                                       self.device) if shared else None)
+            budget = max(1, self._service.microbatch_tokens - shared)
+            suffixes = [len(samples[r].model_input) - shared for r in rows]
+            for part in _microbatches(suffixes, budget):
+                batch = [samples[rows[i]] for i in part]
+                with torch.set_grad_enabled(backward):
+                    terms, logprobs, lengths = self._losses(batch, loss_fn, config, prefix)
+                    total = terms.sum()
+                    if backward and denominator and total.requires_grad:  # else nothing trains
+                        (total / denominator).backward()
+                loss_sum += float(total.detach())
+                for i, (row, length) in enumerate(zip(part, lengths, strict=True)):
+                    outputs[rows[row]] = {
+                        "logprobs": TensorData.from_torch(logprobs[i, :length].detach().cpu()),
                         "elementwise_loss": TensorData.from_torch(
-                            terms[row, :length].detach().cpu()
+                            terms[i, :length].detach().cpu()
                         ),
                     }
-                )
+            if prefix is not None and backward:
+                prefix.backward()
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs,
             metrics={
@@ -394,8 +405,11 @@ class LocalTrainingClient:
         )
 
     def _losses(
-        self, batch: Sequence[Any], loss_fn: str, config: dict[str, float]
+        self, batch: Sequence[Any], loss_fn: str, config: dict[str, float],
+        prefix: SharedPrefix | None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Per-token losses and target logprobs of one microbatch whose rows all open with
+        ``prefix`` (already computed), or share nothing."""
         lengths = [len(s.model_input) for s in batch]
         width = max(lengths)
 
@@ -423,7 +437,7 @@ class LocalTrainingClient:
         inputs = {k: v.to(device) for k, v in inputs.items()}
         logprobs = torch.zeros(counted.shape, dtype=torch.float32, device=device)
         with autocast(device):
-            rows, positions, hidden = self._trained_hidden(ids, counted)
+            rows, positions, hidden = self._trained_hidden(ids, counted, prefix)
             # Only positions that train reach the LM head (see trainers.backends.logprobs).
             picked = target_logprobs(self._head, hidden, targets[rows, positions],
                                      self._service.logit_chunk)
@@ -431,55 +445,36 @@ class LocalTrainingClient:
         return token_losses(loss_fn, logprobs, inputs, counted, config), logprobs, lengths
 
     def _trained_hidden(
-        self, ids: torch.Tensor, counted: torch.Tensor
+        self, ids: torch.Tensor, counted: torch.Tensor, prefix: SharedPrefix | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Final hidden states at the counted positions: (rows, positions, [M, hidden]).
 
-        Only what those positions depend on is computed. A row runs up to its last counted
-        position (later ones cannot influence it), rows with nothing counted not at all, and
-        rows that open with the same untrained tokens (a GRPO group's prompt, TEMPO branches'
-        resume prefix) run that prefix once and continue from its keys and values, whose
-        gradient then sums over the rows, exactly as if each row had computed it.
+        Only what those positions depend on is computed: a row runs up to its last counted
+        position (later ones cannot influence it), rows with nothing counted not at all,
+        and a shared ``prefix`` not again (the rows continue from its keys and values).
         """
         flags = counted.cpu()
-        has = flags.any(dim=1)
-        first = flags.int().argmax(dim=1)
-        last = flags.shape[1] - 1 - flags.flip(1).int().argmax(dim=1)
-        tokens = ids.cpu().tolist()
-        groups = shared_prefixes(
-            [tokens[r][: int(first[r])] if has[r] else None for r in range(len(tokens))],
-            MIN_SHARED_PREFIX,
-        )
-        pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for members, prefix in groups:
-            index = torch.tensor(members, device=ids.device)
-            ends = (last[members] + 1).to(ids.device)
-            width = int(ends.max())
-            columns = torch.arange(width, device=ids.device)
-            mask = (columns[None] < ends[:, None]).long()
-            if prefix:
-                shared = self._body(input_ids=ids[members[0] : members[0] + 1, :prefix],
-                                    use_cache=True).cache
-                past = DynamicCache(ddp_cache_data=[
-                    (layer.keys.expand(len(members), -1, -1, -1),
-                     layer.values.expand(len(members), -1, -1, -1))
-                    for layer in shared.layers
-                ])
-                hidden = self._body(
-                    input_ids=ids[index, prefix:width], attention_mask=mask,
-                    position_ids=columns[prefix:][None].expand(len(members), -1),
-                    cache=past, use_cache=True,
-                ).last_hidden_state
-            else:
-                hidden = self._body(input_ids=ids[index, :width],
-                                    attention_mask=mask).last_hidden_state
-            local = counted[index, :width].nonzero(as_tuple=True)
-            pieces.append((index[local[0]], local[1], hidden[local[0], local[1] - prefix]))
-        if not pieces:  # nothing trains in this microbatch
+        members = flags.any(dim=1).nonzero()[:, 0].tolist()
+        if not members:  # nothing trains in this microbatch
             empty = torch.zeros(0, dtype=torch.long, device=ids.device)
             return empty, empty, torch.zeros(0, 0, device=ids.device)
-        rows, positions, hidden = zip(*pieces, strict=True)
-        return torch.cat(rows), torch.cat(positions), torch.cat(hidden)
+        last = flags.shape[1] - 1 - flags.flip(1).int().argmax(dim=1)
+        index = torch.tensor(members, device=ids.device)
+        ends = (last[members] + 1).to(ids.device)
+        width = int(ends.max())
+        columns = torch.arange(width, device=ids.device)
+        mask = (columns[None] < ends[:, None]).long()
+        start = prefix.length if prefix is not None else 0
+        if prefix is not None:
+            hidden = self._body(
+                input_ids=ids[index, start:width], attention_mask=mask,
+                position_ids=columns[start:][None].expand(len(members), -1),
+                cache=prefix.cache(len(members)), use_cache=True,
+            ).last_hidden_state
+        else:
+            hidden = self._body(input_ids=ids[index, :width], attention_mask=mask).last_hidden_state
+        local = counted[index, :width].nonzero(as_tuple=True)
+        return index[local[0]], local[1], hidden[local[0], local[1] - start]
 
     # ----------------------------------------------------------------- optimizer
     def optim_step(self, adam_params: AdamParams) -> APIFuture[OptimStepResponse]:
@@ -600,21 +595,53 @@ def _read_meta(path: str) -> TrainingSetup:
     return TrainingSetup(**json.loads(meta.read_text(encoding="utf-8")))
 
 
+class SharedPrefix:
+    """An untrained opening several rows share, run once: its keys and values per layer.
+
+    Under autograd the rows attend to detached copies (leaves), so each microbatch's
+    backward stops there and adds its share to their gradients; ``backward`` then pushes the
+    sum through the prefix once. That is the gradient of running the prefix in every row.
+    """
+
+    def __init__(self, body: torch.nn.Module, tokens: Sequence[int], device: torch.device):
+        self.length = len(tokens)
+        cache = body(input_ids=torch.tensor([list(tokens)], device=device), use_cache=True).cache
+        self._computed = [(layer.keys, layer.values) for layer in cache.layers]
+        train = torch.is_grad_enabled()
+        self._seen = [(k.detach().requires_grad_(train), v.detach().requires_grad_(train))
+                      for k, v in self._computed]
+
+    def cache(self, rows: int) -> DynamicCache:
+        """A fresh cache holding the prefix for ``rows`` rows (views, not copies)."""
+        return DynamicCache(ddp_cache_data=[
+            (k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self._seen
+        ])
+
+    def backward(self) -> None:
+        pairs = [(computed, seen.grad)
+                 for layers in zip(self._computed, self._seen, strict=True)
+                 for computed, seen in zip(*layers, strict=True) if seen.grad is not None]
+        if pairs:
+            torch.autograd.backward([c for c, _ in pairs], [g for _, g in pairs])
+
+
 def shared_prefixes(
     leads: Sequence[Sequence[int] | None], minimum: int
 ) -> list[tuple[list[int], int]]:
     """Rows grouped by identical untrained opening tokens: ``(rows, shared length)``.
 
-    ``leads[r]`` is row r's tokens before its first counted position (None: nothing counted;
-    the row is left out). Rows whose lead is shared by another row and at least ``minimum``
-    long form a group with that prefix; all other rows go together with prefix 0.
+    ``leads[r]`` is row r's tokens before its first counted position (None: nothing
+    counted). Rows whose lead is shared by another row and at least ``minimum`` long form a
+    group with that prefix; all other rows go together with prefix 0.
     """
     by_lead: dict[tuple[int, ...], list[int]] = {}
+    alone: list[int] = []
     for row, lead in enumerate(leads):
-        if lead is not None:
+        if lead is None:
+            alone.append(row)
+        else:
             by_lead.setdefault(tuple(lead), []).append(row)
     groups: list[tuple[list[int], int]] = []
-    alone: list[int] = []
     for lead, rows in by_lead.items():
         if len(rows) > 1 and len(lead) >= minimum:
             groups.append((rows, len(lead)))
@@ -625,19 +652,27 @@ def shared_prefixes(
     return groups
 
 
-def _microbatches(samples: Sequence[Any], budget: int) -> list[list[Any]]:
-    """Consecutive groups whose padded size (rows x longest) stays within ``budget``."""
-    groups: list[list[Any]] = []
-    current: list[Any] = []
+def _lead(sample: Any, loss_fn: str) -> list[int] | None:
+    """A sample's tokens before its first trained position (None: nothing trains), trained
+    as ``_losses`` counts it: a target, with a nonzero weight under ``cross_entropy``."""
+    weights = sample.weights if loss_fn == "cross_entropy" else None
+    for i, target in enumerate(sample.target_tokens):
+        if target != -100 and (weights is None or weights[i] != 0):
+            return sample.model_input.to_ints()[:i]
+    return None
+
+
+def _microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Consecutive runs of indices whose padded size (rows x longest) stays within ``budget``."""
+    groups: list[list[int]] = []
+    current: list[int] = []
     longest = 0
-    for sample in samples:
-        length = len(sample.model_input)
+    for index, length in enumerate(lengths):
         if current and max(longest, length) * (len(current) + 1) > budget:
             groups.append(current)
             current, longest = [], 0
-        current.append(sample)
+        current.append(index)
         longest = max(longest, length)
     if current:
         groups.append(current)
     return groups
-
