@@ -18,10 +18,11 @@
   with the prefix cache and without it (same seeds, hence the same episode).
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
   time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
-  process) of the new pass against the full-logits pass (today's learner, reimplemented
-  here: whole datums in the same microbatches, logits everywhere), on unrelated datums, on
-  one GRPO group's datums (one shared prompt) and on 8 TEMPO-like branches resumed from one
-  500-token state (180-token replies).
+  process) of the new pass, without and with ``activation_checkpointing``, against the
+  full-logits pass (today's learner, reimplemented here: whole datums in the same
+  microbatches, logits everywhere), on unrelated datums, on one GRPO group's datums (one
+  shared prompt) and on 8 TEMPO-like branches resumed from one 500-token state (180-token
+  replies).
 - grpo: one GRPO step on GSM8K-v0 at the CPU defaults (``runtime.CPU_DEFAULTS``), with its
   phase split, and the step-cost estimate for it and for the GPU-scale defaults.
 
@@ -336,6 +337,8 @@ def bench_prefill(service: LocalServiceClient, turns: int = 10) -> dict[str, Any
 
 
 # --------------------------------------------------------------------------- learner
+# The baseline (today's full-logits pass), the learner, and the learner recomputing layers.
+LEARNER_VARIANTS = ("full", "skip", "recompute")
 # What each learner case holds: (masked opening tokens, shared by all 8 datums?).
 LEARNER_CASES = {
     "unrelated": (120, False),  # 8 prompts of 120 tokens, 180-token replies: 40% masked
@@ -420,7 +423,8 @@ def _rss_kb(field: str) -> int:
 def learner_variant(variant: str, case: str) -> dict[str, Any]:
     """One forward_backward in this process; peak = RSS high-water mark above the RSS before."""
     with tempfile.TemporaryDirectory() as tmp:
-        service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1)
+        service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1,
+                                     activation_checkpointing=variant == "recompute")
         client = service.create_lora_training_client("smollm2", rank=32, seed=0)
         datums = learner_datums(case)
         before = _rss_kb("VmRSS")
@@ -445,9 +449,9 @@ def bench_learner(repeats: int) -> dict[str, Any]:
                            CPU_MICROBATCH_TOKENS, "masked_opening_tokens":
                            {case: opening for case, (opening, _) in LEARNER_CASES.items()}}
     for datums in LEARNER_CASES:
-        runs: dict[str, list[dict[str, Any]]] = {"full": [], "skip": []}
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in LEARNER_VARIANTS}
         for _ in range(repeats):
-            for variant in ("full", "skip"):  # alternated, so load drift hits both
+            for variant in LEARNER_VARIANTS:  # alternated, so load drift hits each alike
                 command = [sys.executable, __file__, "--learner-variant", variant]
                 done = subprocess.run(
                     [*command, "--learner-datums", datums],
@@ -462,15 +466,19 @@ def bench_learner(repeats: int) -> dict[str, Any]:
         best = {v: min(r["seconds"] for r in rs) for v, rs in runs.items()}
         best_cpu = {v: min(r["cpu_seconds"] for r in rs) for v, rs in runs.items()}
         peak = {v: min(r["peak_mb"] for r in rs) for v, rs in runs.items()}
-        full, skip = runs["full"][0], runs["skip"][0]
-        out[datums] = {
-            "runs": runs,
-            "speedup": round(best["full"] / best["skip"], 2),
-            "speedup_cpu_time": round(best_cpu["full"] / best_cpu["skip"], 2),
-            "peak_memory_ratio": round(peak["skip"] / peak["full"], 3),
-            "loss_rel_diff": abs(full["loss_mean"] - skip["loss_mean"]) / abs(full["loss_mean"]),
-            "grad_norm_rel_diff": abs(full["grad_norm"] - skip["grad_norm"]) / full["grad_norm"],
-        }
+        full = runs["full"][0]
+        out[datums] = {"runs": runs}
+        for variant in LEARNER_VARIANTS[1:]:
+            this = runs[variant][0]
+            out[datums][variant] = {
+                "speedup": round(best["full"] / best[variant], 2),
+                "speedup_cpu_time": round(best_cpu["full"] / best_cpu[variant], 2),
+                "peak_memory_ratio": round(peak[variant] / peak["full"], 3),
+                "loss_rel_diff": abs(full["loss_mean"] - this["loss_mean"])
+                / abs(full["loss_mean"]),
+                "grad_norm_rel_diff": abs(full["grad_norm"] - this["grad_norm"])
+                / full["grad_norm"],
+            }
     return out
 
 
@@ -508,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="rollouts,prefill,learner,grpo")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
     parser.add_argument("--learner-repeats", type=int, default=2)
-    parser.add_argument("--learner-variant", choices=("full", "skip"), help=argparse.SUPPRESS)
+    parser.add_argument("--learner-variant", choices=LEARNER_VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--learner-datums", choices=tuple(LEARNER_CASES), default="unrelated",
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -236,6 +236,9 @@ class RunArgs:
         "cuda[:N] or mps")
     threads: int | None = option(
         None, "local backend: torch threads (default: the free cores, or $AGENT_GYM_THREADS)")
+    activation_checkpointing: bool = option(
+        False, "local backend: recompute each layer's activations in the backward pass (the "
+        "same gradient, a fraction of the learner's memory, about a third more of its time)")
     batch_size: int | None = option(
         None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")
@@ -703,6 +706,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     service = service or make_service(
         args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key,
         device=args.device, threads=args.threads,
+        activation_checkpointing=args.activation_checkpointing,
     )
     training, resumed = _training_client(service, args, out / CHECKPOINT_FILE)
     _keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)

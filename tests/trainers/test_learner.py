@@ -172,11 +172,14 @@ def test_a_microbatch_with_nothing_counted_is_skipped(tmp_path: Path) -> None:
     assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5)
 
 
-def test_a_shared_prompt_runs_once_across_microbatches(tmp_path: Path) -> None:
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_shared_prompt_runs_once_across_microbatches(tmp_path: Path, recompute: bool) -> None:
     """With room for one branch per pass, a group's prompt still runs once, and the
-    gradient is still the full pass's (each microbatch adds its share to the prefix)."""
+    gradient is still the full pass's (each microbatch adds its share to the prefix), also
+    when every layer is recomputed in the backward pass."""
     service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
-                                 microbatch_tokens=30, logit_chunk=5)
+                                 microbatch_tokens=30, logit_chunk=5,
+                                 activation_checkpointing=recompute)
     client = service.create_lora_training_client("tiny:4", rank=4, seed=2)
     with torch.no_grad():
         for name, parameter in client.model.named_parameters():
@@ -205,3 +208,27 @@ def test_a_shared_prompt_runs_once_across_microbatches(tmp_path: Path) -> None:
         assert len(out["logprobs"].data) == len(datum.model_input)
         assert (torch.tensor(out["logprobs"].data) != 0).sum() == sum(
             t != -100 for t in datum.loss_fn_inputs["target_tokens"].data)
+
+
+def saved_bytes(client: LocalTrainingClient, batch: list[Datum]) -> int:
+    """Bytes of the tensors autograd keeps for the backward pass of one forward_backward."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        client.forward_backward(batch, "importance_sampling").result()
+    return total
+
+
+def test_recomputed_layers_keep_a_fraction_of_the_activations(tmp_path: Path) -> None:
+    kept = {}
+    for recompute in (False, True):
+        service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
+                                     activation_checkpointing=recompute)
+        client = service.create_lora_training_client("tiny:4", rank=4, seed=2)
+        kept[recompute] = saved_bytes(client, group_datums(seed=4))
+    assert kept[True] < kept[False] / 3

@@ -15,17 +15,20 @@ def make_service(
     api_key: str | None = None,
     device: str = "auto",
     threads: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> Any:
     """A service client: ``LocalServiceClient`` or an authenticated ``pytrio.ServiceClient``.
 
-    ``device`` and ``threads`` place the local backend (``trainers.backends.runtime``); the
-    remote service decides its own hardware. Imported lazily: the local backend pulls in
+    ``device`` and ``threads`` place the local backend (``trainers.backends.runtime``) and
+    ``activation_checkpointing`` trades its learner time for memory; the remote service
+    decides its own hardware. Imported lazily: the local backend pulls in
     torch, the remote one a network session.
     """
     if backend == "local":
         from trainers.backends.local import LocalServiceClient
 
-        return LocalServiceClient(checkpoint_dir=checkpoint_dir, device=device, threads=threads)
+        return LocalServiceClient(checkpoint_dir=checkpoint_dir, device=device, threads=threads,
+                                  activation_checkpointing=activation_checkpointing)
     if backend == "pytrio":
         from trainers.backends.pytrio import connect
 
