@@ -238,7 +238,7 @@ class RunArgs:
         None, "local backend: torch threads (default: the free cores, or $AGENT_GYM_THREADS)")
     activation_checkpointing: bool = option(
         False, "local backend: recompute each layer's activations in the backward pass (the "
-        "same gradient, a fraction of the learner's memory, about a third more of its time)")
+        "same gradient, about a third of the learner's peak memory and 1.4x its time)")
     batch_size: int | None = option(
         None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")
