@@ -19,10 +19,10 @@
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
   time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
   process) of the new pass, without and with ``activation_checkpointing``, against the
-  full-logits pass (today's learner, reimplemented here: whole datums in the same
-  microbatches, logits everywhere), on unrelated datums, on one GRPO group's datums (one
-  shared prompt) and on 8 TEMPO-like branches resumed from one 500-token state (180-token
-  replies).
+  full-logits pass (the learner before position skipping, reimplemented here: whole datums
+  in the same microbatches, logits everywhere), on unrelated datums, on one GRPO group's
+  datums (one shared prompt) and on 8 TEMPO-like branches resumed from one 500-token state
+  (180-token replies).
 - grpo: one GRPO step on GSM8K-v0 at the CPU defaults (``runtime.CPU_DEFAULTS``), with its
   phase split, and the step-cost estimate for it and for the GPU-scale defaults.
 
@@ -60,7 +60,7 @@ from trainers.backends.local import (
     CPU_MICROBATCH_TOKENS,
     LocalServiceClient,
     LocalTrainingClient,
-    _microbatches,
+    microbatches,
 )
 from trainers.backends.losses import check_loss, token_losses
 from trainers.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
@@ -337,7 +337,7 @@ def bench_prefill(service: LocalServiceClient, turns: int = 10) -> dict[str, Any
 
 
 # --------------------------------------------------------------------------- learner
-# The baseline (today's full-logits pass), the learner, and the learner recomputing layers.
+# The baseline (the full-logits pass), the learner, and the learner recomputing layers.
 LEARNER_VARIANTS = ("full", "skip", "recompute")
 # What each learner case holds: (masked opening tokens, shared by all 8 datums?).
 LEARNER_CASES = {
@@ -397,8 +397,9 @@ def full_logits_losses(
 def full_logits_forward_backward(
     client: LocalTrainingClient, datums: Sequence[Datum], loss_fn: str
 ) -> dict[str, float]:
-    """Today's learner pass, the baseline: every datum whole, in consecutive microbatches
-    of the backend's token budget, logits at every position; the same loss normalisation."""
+    """The learner before position skipping, the baseline: every datum whole, in
+    consecutive microbatches of the backend's token budget, logits at every position; the
+    same loss normalisation."""
     plan = plan_training_batch(list(datums), loss_fn=loss_fn, auto_shift=False,
                                limits=client._limits, tokenizer_vocab_size=client.vocab_size)
     samples = [s for chunk in plan.chunks for s in chunk.samples]
@@ -406,7 +407,7 @@ def full_logits_forward_backward(
     config = check_loss(loss_fn, None)
     loss_sum = 0.0
     budget = client._service.microbatch_tokens
-    for part in _microbatches([len(s.model_input) for s in samples], budget):
+    for part in microbatches([len(s.model_input) for s in samples], budget):
         total = full_logits_losses(client, [samples[i] for i in part], loss_fn, config).sum()
         (total / denominator).backward()
         loss_sum += float(total.detach())

@@ -392,7 +392,7 @@ class LocalTrainingClient:
                                        self.device) if shared else None)
             budget = max(1, self._service.microbatch_tokens - shared)
             suffixes = [len(samples[r].model_input) - shared for r in rows]
-            for part in _microbatches(suffixes, budget):
+            for part in microbatches(suffixes, budget):
                 batch = [samples[rows[i]] for i in part]
                 with torch.set_grad_enabled(backward):
                     terms, logprobs, lengths = self._losses(batch, loss_fn, config, prefix)
@@ -409,6 +409,7 @@ class LocalTrainingClient:
                     }
             if prefix is not None and backward:
                 prefix.backward()
+            prefix = None  # released before the next group's prefix is built
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs,
             metrics={
@@ -428,7 +429,7 @@ class LocalTrainingClient:
         width = max(lengths)
 
         def padded(
-            rows: Sequence[Sequence[float]], fill: float, dtype: torch.dtype
+            rows: Sequence[Sequence[float]], fill: float | bool, dtype: torch.dtype
         ) -> torch.Tensor:
             out = torch.full((len(rows), width), fill, dtype=dtype)
             for i, row in enumerate(rows):
@@ -437,10 +438,9 @@ class LocalTrainingClient:
 
         ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
         targets = padded([s.target_tokens for s in batch], -100, torch.long)
-        counted = targets != -100
+        counted = padded([_trains(s, loss_fn) for s in batch], False, torch.bool)
         if loss_fn == "cross_entropy":
             inputs = {"weights": padded([s.weights for s in batch], 0.0, torch.float32)}
-            counted &= inputs["weights"] != 0
         else:
             inputs = {
                 "logprobs": padded([s.logprobs for s in batch], 0.0, torch.float32),
@@ -626,17 +626,23 @@ class SharedPrefix:
         body(input_ids=torch.tensor([list(tokens)], device=device), cache=Cache(layers=layers),
              use_cache=True)
         self._computed = [(layer.keys, layer.values) for layer in layers]
-        train = torch.is_grad_enabled()
-        self._seen = [(k.detach().requires_grad_(train), v.detach().requires_grad_(train))
-                      for k, v in self._computed]
+        # A leaf wants a gradient only where the prefix depends on trained weights (a first
+        # layer's keys with frozen attention do not), and holds it in float32, so the
+        # microbatches' shares add up unrounded under a bf16 autocast.
+        self._seen = [tuple(t.detach().float().requires_grad_(t.requires_grad) for t in pair)
+                      for pair in self._computed]
 
     def cache(self, rows: int) -> Cache:
         """A cache holding the prefix for ``rows`` rows (views, not copies)."""
-        return Cache(layers=[_Fixed(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1))
-                             for k, v in self._seen])
+        return Cache(layers=[
+            _Fixed(*(seen.to(computed.dtype).expand(rows, -1, -1, -1)
+                     for seen, computed in zip(seens, computeds, strict=True)))
+            for seens, computeds in zip(self._seen, self._computed, strict=True)
+        ])
 
     def backward(self) -> None:
-        pairs = [(computed, seen.grad)
+        """Push the gradient the microbatches left on the leaves through the prefix, once."""
+        pairs = [(computed, seen.grad.to(computed.dtype))
                  for layers in zip(self._computed, self._seen, strict=True)
                  for computed, seen in zip(*layers, strict=True) if seen.grad is not None]
         if pairs:
@@ -686,6 +692,8 @@ def recompute_layers(body: torch.nn.Module) -> None:
 
 
 def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``forward`` under a checkpoint when autograd records (a sampler or a forward-only
+    pass has nothing to recompute)."""
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
@@ -718,17 +726,22 @@ def shared_prefixes(
     return groups
 
 
+def _trains(sample: Any, loss_fn: str) -> list[bool]:
+    """Which positions of a sample train: a target, with a nonzero weight under
+    ``cross_entropy`` (a zero-weight position adds nothing, so nothing is computed for it)."""
+    if loss_fn == "cross_entropy":
+        return [t != -100 and w != 0
+                for t, w in zip(sample.target_tokens, sample.weights, strict=True)]
+    return [t != -100 for t in sample.target_tokens]
+
+
 def _lead(sample: Any, loss_fn: str) -> list[int] | None:
-    """A sample's tokens before its first trained position (None: nothing trains), trained
-    as ``_losses`` counts it: a target, with a nonzero weight under ``cross_entropy``."""
-    weights = sample.weights if loss_fn == "cross_entropy" else None
-    for i, target in enumerate(sample.target_tokens):
-        if target != -100 and (weights is None or weights[i] != 0):
-            return sample.model_input.to_ints()[:i]
-    return None
+    """A sample's tokens before its first trained position (None: nothing trains)."""
+    trains = _trains(sample, loss_fn)
+    return sample.model_input.to_ints()[: trains.index(True)] if True in trains else None
 
 
-def _microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Consecutive runs of indices whose padded size (rows x longest) stays within ``budget``."""
     groups: list[list[int]] = []
     current: list[int] = []
