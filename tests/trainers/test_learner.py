@@ -60,6 +60,21 @@ def full_pass(model: torch.nn.Module, batch: list[Datum], loss_fn: str) -> torch
     return total / count
 
 
+def wake_lora(client: LocalTrainingClient) -> None:
+    """LoRA's B matrices start at zero; move them so that every adapter has a gradient."""
+    with torch.no_grad():
+        for name, parameter in client.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05)
+
+
+def assert_same_gradients(client: LocalTrainingClient, reference: torch.nn.Module) -> None:
+    grads = dict(reference.named_parameters())
+    for name, parameter in client.model.named_parameters():
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("kind", "loss_fn", "chunk"),
     [("lora", "importance_sampling", 3), ("lora", "ppo", 512), ("full", "importance_sampling", 1)],
@@ -73,11 +88,8 @@ def test_position_skipping_matches_the_full_logits_pass(
         service.create_lora_training_client("tiny:2", rank=4, seed=3) if kind == "lora"
         else service.create_full_training_client("tiny:2")
     )
-    if kind == "lora":  # LoRA B starts at zero; move it so every adapter has a gradient
-        with torch.no_grad():
-            for name, parameter in client.model.named_parameters():
-                if "lora_B" in name:
-                    parameter.normal_(0, 0.05)
+    if kind == "lora":
+        wake_lora(client)
     reference = copy.deepcopy(client.model)
     batch = datums(seed=len(kind) + chunk)
     counted = sum(sum(t != -100 for t in d.loss_fn_inputs["target_tokens"].data) for d in batch)
@@ -142,10 +154,7 @@ def test_shared_prompts_are_computed_once_with_the_full_pass_gradient(tmp_path: 
     service = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
                                  logit_chunk=7)
     client = service.create_lora_training_client("tiny:4", rank=4, seed=1)
-    with torch.no_grad():
-        for name, parameter in client.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.05)
+    wake_lora(client)
     reference = copy.deepcopy(client.model)
     batch = group_datums(seed=0)
     groups = shared_prefixes([lead(d) for d in batch], MIN_SHARED_PREFIX)
@@ -155,10 +164,7 @@ def test_shared_prompts_are_computed_once_with_the_full_pass_gradient(tmp_path: 
     expected = full_pass(reference, batch, "ppo")
     expected.backward()
     assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5)
-    grads = dict(reference.named_parameters())
-    for name, parameter in client.model.named_parameters():
-        if parameter.requires_grad:
-            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    assert_same_gradients(client, reference)
     for datum, out in zip(batch, output.loss_fn_outputs, strict=True):
         assert len(out["logprobs"].data) == len(datum.model_input)
 
@@ -195,10 +201,7 @@ def test_a_shared_prompt_runs_once_across_microbatches(
                                  activation_checkpointing=recompute)
     client = service.create_lora_training_client("tiny:4", rank=4, seed=2,
                                                  train_attn=train_attn)
-    with torch.no_grad():
-        for name, parameter in client.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.05)
+    wake_lora(client)
     reference = copy.deepcopy(client.model)
     batch = group_datums(seed=3)
     passes: list[tuple[int, int]] = []  # (new tokens, prompt tokens attended to) per pass
@@ -218,10 +221,7 @@ def test_a_shared_prompt_runs_once_across_microbatches(
     # absolute tolerance, as float rounding (which MKL varies with memory alignment) is.
     assert output.metrics["loss_mean"] == pytest.approx(float(expected.detach()), rel=1e-5,
                                                         abs=1e-7)
-    grads = dict(reference.named_parameters())
-    for name, parameter in client.model.named_parameters():
-        if parameter.requires_grad:
-            torch.testing.assert_close(parameter.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    assert_same_gradients(client, reference)
     for datum, out in zip(batch, output.loss_fn_outputs, strict=True):
         torch.testing.assert_close(torch.tensor(out["logprobs"].data),
                                    reference_logprobs(reference, datum), rtol=1e-4, atol=1e-5)
