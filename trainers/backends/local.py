@@ -383,19 +383,23 @@ class LocalTrainingClient:
         denominator = plan.totals.total_active_tokens
         outputs: list[dict[str, TensorData]] = [{} for _ in samples]
         loss_sum = 0.0
-        leads = [_lead(s, loss_fn) for s in samples]
+        trains = [_trains(s, loss_fn) for s in samples]
+        leads = [s.model_input.to_ints()[: t.index(True)] if True in t else None
+                 for s, t in zip(samples, trains, strict=True)]
         # Rows opening with the same untrained tokens (a GRPO group's prompt, TEMPO branches'
         # resumed history) run that prefix once for all their microbatches, not once each.
         for rows, shared in shared_prefixes(leads, MIN_SHARED_PREFIX):
             with torch.set_grad_enabled(backward), autocast(self.device):
-                prefix = (SharedPrefix(self._body, samples[rows[0]].model_input.to_ints()[:shared],
-                                       self.device) if shared else None)
+                prefix = (SharedPrefix(self._body, leads[rows[0]], self.device)
+                          if shared else None)
             budget = max(1, self._service.microbatch_tokens - shared)
             suffixes = [len(samples[r].model_input) - shared for r in rows]
             for part in microbatches(suffixes, budget):
                 batch = [samples[rows[i]] for i in part]
+                counted = [trains[rows[i]] for i in part]
                 with torch.set_grad_enabled(backward):
-                    terms, logprobs, lengths = self._losses(batch, loss_fn, config, prefix)
+                    terms, logprobs, lengths = self._losses(batch, counted, loss_fn, config,
+                                                            prefix)
                     total = terms.sum()
                     if backward and denominator and total.requires_grad:  # else nothing trains
                         (total / denominator).backward()
@@ -420,11 +424,12 @@ class LocalTrainingClient:
         )
 
     def _losses(
-        self, batch: Sequence[Any], loss_fn: str, config: dict[str, float],
-        prefix: SharedPrefix | None,
+        self, batch: Sequence[Any], trains: Sequence[Sequence[bool]], loss_fn: str,
+        config: dict[str, float], prefix: SharedPrefix | None,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Per-token losses and target logprobs of one microbatch whose rows all open with
-        ``prefix`` (already computed), or share nothing."""
+        """Per-token losses and target logprobs of one microbatch (``trains``: its rows'
+        trained positions, ``_trains``) whose rows all open with ``prefix`` (already
+        computed), or share nothing."""
         lengths = [len(s.model_input) for s in batch]
         width = max(lengths)
 
@@ -438,7 +443,7 @@ class LocalTrainingClient:
 
         ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
         targets = padded([s.target_tokens for s in batch], -100, torch.long)
-        counted = padded([_trains(s, loss_fn) for s in batch], False, torch.bool)
+        counted = padded(trains, False, torch.bool)
         if loss_fn == "cross_entropy":
             inputs = {"weights": padded([s.weights for s in batch], 0.0, torch.float32)}
         else:
@@ -733,12 +738,6 @@ def _trains(sample: Any, loss_fn: str) -> list[bool]:
         return [t != -100 and w != 0
                 for t, w in zip(sample.target_tokens, sample.weights, strict=True)]
     return [t != -100 for t in sample.target_tokens]
-
-
-def _lead(sample: Any, loss_fn: str) -> list[int] | None:
-    """A sample's tokens before its first trained position (None: nothing trains)."""
-    trains = _trains(sample, loss_fn)
-    return sample.model_input.to_ints()[: trains.index(True)] if True in trains else None
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:
