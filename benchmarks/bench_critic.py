@@ -74,7 +74,7 @@ from trainers.episode import cross_entropy_datum  # noqa: E402
 from trainers.rollout import RolloutConfig, rollout_groups  # noqa: E402
 from trainers.run import Run, Sampler, device_defaults, open_run  # noqa: E402
 from trainers.store import cut  # noqa: E402
-from trainers.tempo import Args, monte_carlo_targets  # noqa: E402
+from trainers.tempo import Args, critic_update, monte_carlo_targets  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 RESULTS = ROOT / "benchmarks" / "results" / "critic.json"
@@ -82,9 +82,10 @@ TASKS_PER_ROLLOUT = 8
 HOT_SAMPLES = 4
 
 
-def collect(run: Run, sampler: Sampler, critic: Critic, config: RolloutConfig,
-            seed: int, questions: int) -> list[dict[str, Any]]:
-    """Every critic state of ``--branches`` episodes per train question, with its target."""
+def collect(run: Run, sampler: Sampler, config: RolloutConfig, seed: int,
+            questions: int) -> list[dict[str, Any]]:
+    """Every critic state of ``--branches`` episodes per train question, with its target:
+    the chat there (not the critic's prompt, so a cached collection serves any prompt)."""
     states = []
     for first in range(0, questions, TASKS_PER_ROLLOUT):
         tasks = [{"index": i} for i in range(first, min(first + TASKS_PER_ROLLOUT, questions))]
@@ -103,10 +104,28 @@ def collect(run: Run, sampler: Sampler, critic: Critic, config: RolloutConfig,
             answers = [str(a).lower() for a in privileged.get("answers", [])]
             states.append({
                 "task": episode.task_id, "turn": turn, "target": target,
-                "prompt": critic.prompt(messages, opening, privileged),
+                "messages": [dict(m) for m in messages], "opening": opening,
+                "privileged": dict(privileged),
                 "answer_in_history": any(a in history.lower() for a in answers),
             })
     return states
+
+
+def collections(run: Run, config: RolloutConfig, questions: int, key: dict[str, Any],
+                path: Path) -> list[list[dict[str, Any]]]:
+    """The two collections (seeds 0 and 10 000), read from ``path`` when it holds the
+    same ones, else collected and written there.
+
+    A cached copy lets the critic's prompt or training change without new episodes, so
+    two variants are measured on the very same states."""
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["key"] == key:
+            return saved["pools"]
+    sampler = run.training.save_weights_and_get_sampling_client()
+    pools = [collect(run, sampler, config, seed, questions) for seed in (0, 10_000)]
+    path.write_text(json.dumps({"key": key, "pools": pools}))
+    return pools
 
 
 def scores(values: Sequence[float | None], targets: Sequence[float],
@@ -158,6 +177,29 @@ async def stated(critic: Critic, sampler: Sampler,
                                        for s in states)))
 
 
+def fit(run: Run, greedy: Critic, hot: Critic, batch: list[dict[str, Any]], rule: str,
+        seed: int) -> float | None:
+    """One update of the critic on ``batch`` by ``rule``; its loss.
+
+    ``cross_entropy``: the reply stating each target, as a demonstration. ``tempo``:
+    TEMPO's own critic update (``critic_update``): K replies sampled at temperature 1 on
+    the current weights, rewarded ``-|V_k - G|`` and centred with the target's reply."""
+    sampler = run.training.save_weights_and_get_sampling_client()
+    replies = asyncio.run(stated(greedy, sampler, batch))
+    if rule == "cross_entropy":
+        return run.update([], supervised=[cross_entropy_datum(r.sequence)
+                                          for r in replies])["supervised_loss"]
+
+    async def sampled() -> list[list[CriticSample]]:
+        return list(await asyncio.gather(*(hot.sample(sampler, s["prompt"], HOT_SAMPLES,
+                                                      seed + i)
+                                           for i, s in enumerate(batch))))
+
+    datums, _ = critic_update(asyncio.run(sampled()), [s["target"] for s in batch], 1.0,
+                              replies)
+    return run.update(datums)["loss"]
+
+
 def cue_bound(train: list[dict[str, Any]], test: list[dict[str, Any]]) -> dict[str, Any]:
     """The median training target of each (question, opening?, answer in history?) cell,
     scored on the test states (a cell never seen predicts the overall median)."""
@@ -182,10 +224,16 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--fit", choices=("cross_entropy", "tempo"), default="cross_entropy",
+                        help="how the critic learns a target: cross-entropy on the reply "
+                        "stating it, or TEMPO's update on sampled replies")
     parser.add_argument("--questions", type=int, default=None,
                         help="the first N train questions only (default: all 56)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--work", default="runs/bench-critic", help="the run's directory")
+    parser.add_argument("--states", default=None,
+                        help="where the collected states are cached (default: in --work); "
+                        "a cache made with the same checkpoint and budgets is reused")
     parser.add_argument("--out", default=str(RESULTS))
     options = parser.parse_args()
     started, load_start = time.perf_counter(), os.getloadavg()[0]
@@ -202,10 +250,17 @@ def main() -> None:
         config = RolloutConfig(max_turns=run.max_turns, group_size=options.branches,
                                max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                                temperature=1.0, keep_states=True, cut_continues=True)
-        sampler = run.training.save_weights_and_get_sampling_client()
         questions = min(options.questions or run.num_tasks, run.num_tasks)
-        pools = [collect(run, sampler, greedy, config, seed, questions)
-                 for seed in (0, 10_000)]
+        key = {k: getattr(options, k) for k in ("checkpoint", "branches", "max_tokens",
+                                                "max_turns")} | {"questions": questions}
+        pools = collections(run, config, questions, key,
+                            Path(options.states or Path(options.work) / "critic-states.json"))
+        for state in pools[0] + pools[1]:
+            state["prompt"] = greedy.prompt(state["messages"], state["opening"],
+                                            state["privileged"])
+            shown = run.renderer.tokenizer.decode(state["prompt"]).split("## History", 1)[-1]
+            state["answer_shown"] = any(str(a).lower() in shown.lower()
+                                        for a in state["privileged"].get("answers", []))
         # Separate streams: the measured states do not change with --train-states.
         chooser = random.Random(0)
         train = chooser.sample(pools[0], min(len(pools[0]), options.train_states))
@@ -215,15 +270,13 @@ def main() -> None:
         rows = [{"epoch": 0, **measure(run, greedy, hot, test, constant)}]
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_state"}), flush=True)
         for epoch in range(1, options.epochs + 1):
-            sampler = run.training.save_weights_and_get_sampling_client()
             order = chooser.sample(train, len(train))
-            losses = []
-            for first in range(0, len(order), options.batch):
-                batch = order[first:first + options.batch]
-                replies = asyncio.run(stated(greedy, sampler, batch))
-                datums = [cross_entropy_datum(r.sequence) for r in replies]
-                losses.append(run.update([], supervised=datums)["supervised_loss"])
-            rows.append({"epoch": epoch, "train_loss": round(float(np.mean(losses)), 4),
+            losses = [fit(run, greedy, hot, order[first:first + options.batch], options.fit,
+                          epoch * 100_000 + first)
+                      for first in range(0, len(order), options.batch)]
+            losses = [loss for loss in losses if loss is not None]  # degenerate batches
+            rows.append({"epoch": epoch,
+                         "train_loss": round(float(np.mean(losses)), 4) if losses else None,
                          **measure(run, greedy, hot, test, constant)})
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_state"}), flush=True)
     all_states = pools[0] + pools[1]
@@ -235,7 +288,14 @@ def main() -> None:
         "states": {"train_pool": len(pools[0]), "test_pool": len(pools[1]),
                    "trained": len(train), "measured": len(test),
                    "target_mean": round(float(targets.mean()), 4),
-                   "target_zero_fraction": round(float((targets == 0).mean()), 4)},
+                   "target_zero_fraction": round(float((targets == 0).mean()), 4),
+                   # the cue the critic must read, and how often its prompt still shows it
+                   "answer_in_history": sum(s["answer_in_history"] for s in all_states),
+                   "answer_shown_to_critic": sum(s["answer_shown"] for s in all_states),
+                   "mean_target_answer_in_history": round(float(np.mean(
+                       [s["target"] for s in all_states if s["answer_in_history"]] or [0])), 4),
+                   "mean_prompt_tokens": round(float(np.mean(
+                       [len(s["prompt"]) for s in all_states])), 1)},
         "best_constant": constant,
         "by_epoch": rows,
         "cue_bound": cue_bound(train, test),

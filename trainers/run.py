@@ -636,9 +636,9 @@ class Run:
         progress bar, with what the step trained; steps in a row that trained nothing get
         a warning that names the likely cause."""
         _append_metrics(self.out / METRICS_FILE, row)
-        self.idle_steps = 0 if row.get("datums") else self.idle_steps + 1
+        self.idle_steps = 0 if trained_datums(row) else self.idle_steps + 1
         if self.bar is not None:
-            self.bar.set_postfix({**(shown or {}), "trained": row.get("datums") or "nothing"})
+            self.bar.set_postfix({**(shown or {}), "trained": trained_datums(row) or "nothing"})
         if self.idle_steps == IDLE_WARNING:
             tqdm.write(idle_advice(self.idle_steps, row, self.args), file=sys.stderr)
         done = step + 1
@@ -684,10 +684,15 @@ def idle_advice(steps: int, row: Metrics, args: RunArgs) -> str:
             "datums)" + (": " + "; ".join(causes) if causes else "") + ".")
 
 
+def trained_datums(row: Metrics) -> int:
+    """Datums a step trained, by its objective and by cross-entropy together."""
+    return int(row.get("datums") or 0) + int(row.get("supervised_datums") or 0)
+
+
 def final_line(history: Sequence[Metrics], out: Path, **extra: object) -> str:
     """The one JSON line a trainer prints at the end: where the run is and how much of this
     invocation trained (a run of steps that trained nothing says so)."""
-    idle = sum(not row.get("datums") for row in history)
+    idle = sum(not trained_datums(row) for row in history)
     line: dict[str, object] = {"step": history[-1]["step"] if history else None,
                                "out": str(out), "steps": len(history),
                                "steps_that_trained_nothing": idle, **extra}

@@ -65,7 +65,7 @@ import numpy as np
 from pytrio import Datum, ModelInput
 
 from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
-from trainers.episode import Episode, ResumePoint, build_datum
+from trainers.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
 from trainers.run import (
     OUT_HELP,
@@ -89,6 +89,8 @@ from trainers.store import StateStore, cut, fresh_quota
 # that ran out of trajectory tokens stopped for a budget, not in the game: its value is
 # estimated like any other endpoint (the seed lab counted it as terminal).
 TERMINAL_ENDS = frozenset({"terminated", "truncated", "max_tokens"})
+# How the critic learns its targets (--critic-loss).
+CRITIC_LOSSES = ("reward", "cross_entropy")
 
 
 @dataclass
@@ -119,6 +121,11 @@ class Args(RunArgs):
         True, "train each critic group with one more reply, the one stating its target "
         "(scored, not sampled), so a critic whose K samples agree still learns "
         "(--no-critic-target-reply: the sampled replies alone)")
+    critic_loss: str = option(
+        "reward", "how the critic learns its targets: reward (its K sampled replies earn "
+        "-|V_k - G| / R_max and train by the policy loss, with the target's reply) or "
+        "cross_entropy (the reply stating G trains as a demonstration; the K samples only "
+        "measure)", CRITIC_LOSSES)
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -141,6 +148,9 @@ class Args(RunArgs):
              "policy version after it was made"),
             (not (math.isfinite(self.r_max) and self.r_max > 0), "--r-max must be positive"),
             (self.is_cap < 1, "--is-cap must be at least 1"),
+            (self.critic_loss == "cross_entropy" and not self.critic_target_reply,
+             "--critic-loss cross_entropy trains the target's reply: drop "
+             "--no-critic-target-reply"),
         ]
         return [*super().problems(), *(message for failed, message in checks if failed)]
 
@@ -210,9 +220,11 @@ class Tempo:
 
 @dataclass
 class Batch:
-    """One update's datums, metrics and the states it found."""
+    """One update's datums (for the run's objective, and for cross-entropy), metrics and
+    the states it found."""
 
     datums: list[Datum]
+    supervised: list[Datum]
     metrics: Metrics
     states: list[ResumePoint]
 
@@ -253,7 +265,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             t1 = time.perf_counter()
 
             # ---- one update on actor and critic datums together
-            trained = run.update(batch.datums)
+            trained = run.update(batch.datums, supervised=batch.supervised)
             t2 = time.perf_counter()
             evicted = store.add(batch.states)
 
@@ -293,13 +305,13 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
         for i, prompt in zip(chosen, prompts, strict=True)
     ))
     targets = [asked[i][2] for i in chosen]
-    datums, metrics = critic_update(samples, targets, args.r_max,
-                                    await _target_replies(tempo, sampler, prompts, targets))
+    datums, supervised, metrics = critic_fit(
+        samples, targets, args, await _target_replies(tempo, sampler, prompts, targets))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
     metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
                 "critic/parse_failure_rate": _failure_rate(flat)}
-    return Batch(datums, metrics, states)
+    return Batch(datums, supervised, metrics, states)
 
 
 def monte_carlo_targets(
@@ -386,8 +398,8 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     actor_datums = len(datums)
 
     # ---- critic signals at the start states, against G = mean R
-    critic_datums, metrics = critic_update(
-        start_samples, targets, args.r_max,
+    critic_datums, supervised, metrics = critic_fit(
+        start_samples, targets, args,
         await _target_replies(tempo, sampler, start_prompts, targets))
     datums += critic_datums
 
@@ -414,7 +426,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         "is/clip_rate": float(np.mean(clipped[: len(restored)]))
         if restored and args.prefix_is else None,
     }
-    return Batch(datums, metrics, states)
+    return Batch(datums, supervised, metrics, states)
 
 
 # --------------------------------------------------------------------- shared pieces
@@ -494,6 +506,27 @@ def critic_update(
         "critic/datums": len(datums),
         "critic/per_state": per_state,
     }
+
+
+def critic_fit(
+    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], args: Args,
+    target_replies: Sequence[CriticSample] | None,
+) -> tuple[list[Datum], list[Datum], Metrics]:
+    """The critic's datums by ``--critic-loss``: (policy-loss datums, cross-entropy datums,
+    metrics). Either way the metrics are the sampled replies' (``critic_update``).
+
+    ``cross_entropy`` is regression onto G in the critic's own words: every state trains,
+    where the reward rule learns nothing from a state whose samples all agree with G and
+    little from one they nearly match."""
+    if args.critic_loss == "reward":
+        datums, metrics = critic_update(samples, targets, args.r_max, target_replies)
+        return datums, [], metrics
+    if target_replies is None:
+        raise RunConfigError("--critic-loss cross_entropy needs the target replies")
+    _, metrics = critic_update(samples, targets, args.r_max)
+    supervised = [cross_entropy_datum(reply.sequence) for reply in target_replies]
+    return [], supervised, metrics | {"critic/datums": len(supervised),
+                                      "critic/degenerate_group_rate": None}
 
 
 def _critic_prompt(tempo: Tempo, state: ResumePoint) -> list[int]:

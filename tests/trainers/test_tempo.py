@@ -27,6 +27,7 @@ from trainers.tempo import (
     actor_update,
     best_constant_error,
     centred,
+    critic_fit,
     critic_update,
     macro_returns,
     monte_carlo_targets,
@@ -149,6 +150,29 @@ def test_a_target_reply_trains_a_critic_whose_samples_agree() -> None:
     assert exact == []
 
 
+def test_the_cross_entropy_critic_trains_each_states_target_reply_alone() -> None:
+    reply = TokenSequence((1, 2)).extend([1, 2], [3, 4], [-0.5, -0.1])
+    sampled = TokenSequence((1, 2)).extend([1, 2], [3], [-0.5])
+    agreeing = [CriticSample(sampled, 0.0), CriticSample(sampled, 0.0)]
+    args = Args(critic_loss="cross_entropy")
+    # state 1: the samples state its target, a group the reward rule skips; state 2: wrong
+    datums, supervised, metrics = critic_fit([agreeing, agreeing], [0.0, 1.0], args,
+                                             [CriticSample(reply, 0.0), CriticSample(reply, 1.0)])
+    assert datums == [] and len(supervised) == metrics["critic/datums"] == 2
+    for datum in supervised:  # weight 1 on the reply's tokens, nothing on the prompt's
+        assert set(datum.loss_fn_inputs) == {"target_tokens", "weights"}
+        assert datum.loss_fn_inputs["weights"].data == [0.0, 1.0, 1.0]
+        assert datum.loss_fn_inputs["target_tokens"].data == [-100, 3, 4]
+    # the metrics are the sampled replies', as under the reward rule
+    assert metrics["critic/abs_error_mean"] == 0.5 and metrics["critic/parsed"] == 4
+    assert metrics["critic/degenerate_group_rate"] is None
+    policy, none, _ = critic_fit([agreeing, agreeing], [0.0, 1.0], Args(),
+                                 [CriticSample(reply, 0.0), CriticSample(reply, 1.0)])
+    assert len(policy) == 3 and none == []  # the first group is degenerate
+    with pytest.raises(SystemExit):
+        parse_args(["--critic-loss", "cross_entropy", "--no-critic-target-reply"])
+
+
 def test_one_constant_for_every_update_is_the_median_of_all_their_targets() -> None:
     # update 1: one state, target 0, 2 parsed samples; update 2: target 1, 1 parsed sample.
     # Fitted to each update alone a constant is exact twice; one constant for both is the
@@ -250,6 +274,20 @@ def test_end_to_end_on_a_toy_env(model: str, tmp_path: Path) -> None:
 
     image = plot(tmp_path)
     assert image == tmp_path / "metrics.png" and image.stat().st_size > 10_000
+
+
+def test_a_cross_entropy_critic_trains_in_the_same_update(model: str, tmp_path: Path) -> None:
+    service = CountingService()
+    history = train(toy_args(model, tmp_path, critic_loss="cross_entropy", td_updates=2),
+                    service)
+    for row in history:
+        assert row["supervised_datums"] == row["critic/datums"] == row["critic/states"]
+        assert row["datums"] == row.get("actor/datums", 0)
+    # the actor's datums (if any), then the critic's, then one optim_step
+    expected = [call for row in history
+                for call in ([("forward_backward", row["datums"])] if row["datums"] else [])
+                + [("forward_backward", row["supervised_datums"]), ("optim_step", 0)]]
+    assert service.calls == expected
 
 
 def test_resume_continues_weights_store_and_metrics(model: str, tmp_path: Path) -> None:
