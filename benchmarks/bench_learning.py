@@ -99,8 +99,8 @@ from trainers import grpo, sft  # noqa: E402
 from trainers.opd import Args as OpdArgs  # noqa: E402
 from trainers.opd import train as opd_train  # noqa: E402
 from trainers.run import read_metrics  # noqa: E402
+from trainers.tempo import CRITIC_LOSSES, best_constant_error, value_corr  # noqa: E402
 from trainers.tempo import Args as TempoArgs  # noqa: E402
-from trainers.tempo import best_constant_error, value_corr  # noqa: E402
 from trainers.tempo import train as tempo_train  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
@@ -367,6 +367,7 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-endpoint-samples", type=int, default=2)
     group.add_argument("--tempo-horizon", type=int, default=1)
     group.add_argument("--tempo-learning-rate", type=float, default=1e-4)
+    group.add_argument("--tempo-critic-loss", choices=CRITIC_LOSSES, default="reward")
 
 
 def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -386,6 +387,7 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      critic_samples=options.tempo_critic_samples,
                      endpoint_samples=options.tempo_endpoint_samples,
                      horizon=options.tempo_horizon, fresh_fraction=0.5,
+                     critic_loss=options.tempo_critic_loss,
                      max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                      learning_rate=options.tempo_learning_rate, threads=1,
                      save_every=1000, out=str(work / "tempo"), progress=False)
@@ -436,7 +438,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
         "settings": {k: getattr(args, k) for k in (
             "warmup_updates", "td_updates", "batch_size", "horizon", "branches",
             "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
-            "critic_max_tokens", "learning_rate", "lora_rank", "cut_continues")},
+            "critic_max_tokens", "critic_loss", "learning_rate", "lora_rank",
+            "cut_continues")},
         "warmup": pooled(warmup),
         "after_warmup": pooled(td),
         "per_update": [{k: row.get(k) for k in kept} for row in history],
