@@ -368,6 +368,7 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-horizon", type=int, default=1)
     group.add_argument("--tempo-learning-rate", type=float, default=1e-4)
     group.add_argument("--tempo-critic-loss", choices=CRITIC_LOSSES, default="reward")
+    group.add_argument("--tempo-critic-temperature", type=float, default=1.0)
 
 
 def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -388,6 +389,7 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      endpoint_samples=options.tempo_endpoint_samples,
                      horizon=options.tempo_horizon, fresh_fraction=0.5,
                      critic_loss=options.tempo_critic_loss,
+                     critic_temperature=options.tempo_critic_temperature,
                      max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                      learning_rate=options.tempo_learning_rate, threads=1,
                      save_every=1000, out=str(work / "tempo"), progress=False)
@@ -438,7 +440,7 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
         "settings": {k: getattr(args, k) for k in (
             "warmup_updates", "td_updates", "batch_size", "horizon", "branches",
             "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
-            "critic_max_tokens", "critic_loss", "learning_rate", "lora_rank",
+            "critic_max_tokens", "critic_loss", "critic_temperature", "learning_rate", "lora_rank",
             "cut_continues")},
         "warmup": pooled(warmup),
         "after_warmup": pooled(td),

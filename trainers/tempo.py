@@ -126,6 +126,9 @@ class Args(RunArgs):
         "-|V_k - G| / R_max and train by the policy loss, with the target's reply) or "
         "cross_entropy (the reply stating G trains as a demonstration; the K samples only "
         "measure)", CRITIC_LOSSES)
+    critic_temperature: float = option(
+        1.0, "the critic's sampling temperature; 1 under --critic-loss reward, which trains "
+        "on its samples; with cross_entropy 0 reads its most likely value")
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -148,6 +151,10 @@ class Args(RunArgs):
              "policy version after it was made"),
             (not (math.isfinite(self.r_max) and self.r_max > 0), "--r-max must be positive"),
             (self.is_cap < 1, "--is-cap must be at least 1"),
+            (self.critic_loss == "reward" and self.critic_temperature != 1.0,
+             "--critic-temperature must be 1 under --critic-loss reward: its samples train "
+             "by the policy loss, which scores them untempered"),
+            (not 0 <= self.critic_temperature <= 2, "--critic-temperature must be in [0, 2]"),
             (self.critic_loss == "cross_entropy" and not self.critic_target_reply,
              "--critic-loss cross_entropy trains the target's reply: drop "
              "--no-critic-target-reply"),
@@ -249,7 +256,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         tempo = Tempo(
             run, args,
             Critic(run.renderer, r_max=args.r_max, max_tokens=args.critic_max_tokens,
-                   temperature=args.temperature),
+                   temperature=args.critic_temperature),
             full=RolloutConfig(max_turns=run.max_turns, **budgets),
             macro=RolloutConfig(max_turns=args.horizon, **budgets),
         )

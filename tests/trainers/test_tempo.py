@@ -169,8 +169,12 @@ def test_the_cross_entropy_critic_trains_each_states_target_reply_alone() -> Non
     policy, none, _ = critic_fit([agreeing, agreeing], [0.0, 1.0], Args(),
                                  [CriticSample(reply, 0.0), CriticSample(reply, 1.0)])
     assert len(policy) == 3 and none == []  # the first group is degenerate
-    with pytest.raises(SystemExit):
-        parse_args(["--critic-loss", "cross_entropy", "--no-critic-target-reply"])
+    for bad in (["--critic-loss", "cross_entropy", "--no-critic-target-reply"],
+                ["--critic-temperature", "0"],  # the reward rule trains on the samples
+                ["--critic-loss", "cross_entropy", "--critic-temperature", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert parse_args(["--critic-loss", "cross_entropy", "--critic-temperature", "0"])
 
 
 def test_one_constant_for_every_update_is_the_median_of_all_their_targets() -> None:
@@ -278,8 +282,8 @@ def test_end_to_end_on_a_toy_env(model: str, tmp_path: Path) -> None:
 
 def test_a_cross_entropy_critic_trains_in_the_same_update(model: str, tmp_path: Path) -> None:
     service = CountingService()
-    history = train(toy_args(model, tmp_path, critic_loss="cross_entropy", td_updates=2),
-                    service)
+    history = train(toy_args(model, tmp_path, critic_loss="cross_entropy", td_updates=2,
+                             critic_temperature=0.0), service)
     for row in history:
         assert row["supervised_datums"] == row["critic/datums"] == row["critic/states"]
         assert row["datums"] == row.get("actor/datums", 0)
