@@ -21,7 +21,11 @@ V(end) = the mean of M critic samples, or 0 if the episode is over. Then, per gr
                                   0), so K samples that agree on a wrong value still learn
 
 A group whose R_n are all equal, or whose critic rewards are all equal, teaches nothing and
-is skipped (and counted). Before the TD updates, ``warmup_updates`` updates train the critic
+is skipped (and counted). ``--critic-loss cross_entropy`` fits the critic another way: the
+reply stating G is trained as a demonstration (a regression onto G in the critic's own
+words), every state counts, and the K samples only measure, so they may be drawn greedily
+(``--critic-temperature 0``: the critic's most likely value, the one absolute error asks
+for, where a sample at temperature 1 adds the spread of its guesses). Before the TD updates, ``warmup_updates`` updates train the critic
 alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
 2H, ... with target = the reward the episode still collected after that turn, and at each
 task's opening (where fresh TD groups start) with target = the mean return of its N
