@@ -25,7 +25,9 @@ is skipped (and counted). ``--critic-loss cross_entropy`` fits the critic anothe
 reply stating G is trained as a demonstration (a regression onto G in the critic's own
 words), every state counts, and the K samples only measure, so they may be drawn greedily
 (``--critic-temperature 0``: the critic's most likely value, the one absolute error asks
-for, where a sample at temperature 1 adds the spread of its guesses). Before the TD updates, ``warmup_updates`` updates train the critic
+for, where a sample at temperature 1 adds the spread of its guesses).
+
+Before the TD updates, ``warmup_updates`` updates train the critic
 alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
 2H, ... with target = the reward the episode still collected after that turn, and at each
 task's opening (where fresh TD groups start) with target = the mean return of its N
