@@ -27,6 +27,10 @@ Also reported: what a predictor would score that knows the question, whether the
 an opening, and whether a gold answer's string appears in the history so far. It takes the
 median target of its cell in the training collection, so it bounds what those cues carry.
 
+``--fit tempo`` trains by TEMPO's own critic rule instead (``critic_update``). The
+collected states are cached (``--states``, default in ``--work``) and reused by any run
+with the same checkpoint and budgets, so variants are measured on the very same states.
+
 Writes ``benchmarks/results/critic.json``. About 45 minutes on one thread of this machine.
 
 Measured from the ``make run`` SFT checkpoint (10/18 held out), with the defaults: 368 + 359
@@ -178,17 +182,19 @@ async def stated(critic: Critic, sampler: Sampler,
 
 
 def fit(run: Run, greedy: Critic, hot: Critic, batch: list[dict[str, Any]], rule: str,
-        seed: int) -> float | None:
+        seed: int, sampler: Sampler) -> float | None:
     """One update of the critic on ``batch`` by ``rule``; its loss.
 
-    ``cross_entropy``: the reply stating each target, as a demonstration. ``tempo``:
-    TEMPO's own critic update (``critic_update``): K replies sampled at temperature 1 on
-    the current weights, rewarded ``-|V_k - G|`` and centred with the target's reply."""
-    sampler = run.training.save_weights_and_get_sampling_client()
-    replies = asyncio.run(stated(greedy, sampler, batch))
+    ``cross_entropy``: the reply stating each target, as a demonstration (its logprobs are
+    unused, so ``sampler`` may be the epoch's). ``tempo``: TEMPO's own critic update
+    (``critic_update``): K replies sampled at temperature 1 on the current weights (a
+    fresh sampler), rewarded ``-|V_k - G|`` and centred with the target's reply."""
     if rule == "cross_entropy":
+        replies = asyncio.run(stated(greedy, sampler, batch))
         return run.update([], supervised=[cross_entropy_datum(r.sequence)
                                           for r in replies])["supervised_loss"]
+    sampler = run.training.save_weights_and_get_sampling_client()
+    replies = asyncio.run(stated(greedy, sampler, batch))
 
     async def sampled() -> list[list[CriticSample]]:
         return list(await asyncio.gather(*(hot.sample(sampler, s["prompt"], HOT_SAMPLES,
@@ -271,8 +277,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_state"}), flush=True)
         for epoch in range(1, options.epochs + 1):
             order = chooser.sample(train, len(train))
+            sampler = run.training.save_weights_and_get_sampling_client()
             losses = [fit(run, greedy, hot, order[first:first + options.batch], options.fit,
-                          epoch * 100_000 + first)
+                          epoch * 100_000 + first, sampler)
                       for first in range(0, len(order), options.batch)]
             losses = [loss for loss in losses if loss is not None]  # degenerate batches
             rows.append({"epoch": epoch,
