@@ -46,9 +46,13 @@ $(STAMP): pyproject.toml Makefile
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-deps $(ALFWORLD_PACKAGES)
 	touch $(STAMP)
 
+# One pytest worker per core, each with one torch thread (tests/conftest.py): the suite's
+# tests are mostly single-threaded, so two workers halve its time on 2 cores.
+TEST_WORKERS ?= auto
+
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: setup
 	$(BIN)/ruff check .

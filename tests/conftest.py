@@ -30,8 +30,9 @@ import pytest
 import agent_gym  # noqa: F401
 from agent_gym.sandbox.process import nursery_pid
 
-# One torch thread per test process: the local backend's default takes the free cores, and
-# on a loaded 2-core machine two threads ran up to 13x slower than one.
+# One torch thread per test process (`make test` runs one pytest worker per core): the local
+# backend's default takes the free cores, and on a loaded 2-core machine two threads ran up
+# to 13x slower than one.
 os.environ.setdefault("AGENT_GYM_THREADS", "1")
 
 NOBODY = 65534  # the uid sandboxes run as when the host is root
