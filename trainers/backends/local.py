@@ -60,7 +60,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from trainers.backends.logprobs import split_model, target_logprobs
 from trainers.backends.losses import check_loss, token_losses
-from trainers.backends.runtime import apply_threads, autocast, resolve_device
+from trainers.backends.runtime import (
+    apply_threads,
+    autocast,
+    resolve_device,
+    return_freed_memory,
+)
 from trainers.backends.sampler import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_ROWS,
@@ -511,6 +516,7 @@ class LocalTrainingClient:
         norm = torch.nn.utils.clip_grad_norm_(self._params, limit)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return_freed_memory()  # this step's activations, the previous sampler's caches
         return APIFuture.completed(
             OptimStepResponse(
                 metrics={"grad_norm": float(norm), "learning_rate": adam_params.learning_rate}
