@@ -21,7 +21,9 @@ of the training targets) on the same states:
 
 - the greedy value;
 - every one of 4 replies at temperature 1 (what ``bench_learning`` scores);
-- the median of those 4 replies.
+- the median of those 4 replies;
+- the median of its distribution over the replies stating 0, 0.25, 0.5, 0.75 and 1, each
+  scored whole (``reply_medians``).
 
 Also reported: what a predictor would score that knows the question, whether the state is
 an opening, and whether a gold answer's string appears in the history so far. It takes the
@@ -67,7 +69,9 @@ setting: its trainers sample at temperature 1, the distribution the learner scor
 From a 3-epoch SFT checkpoint at temperature 1 (``results/critic-sft3.json``: 295 + 297
 states, mean target 0.60, success 98% after a gold answer in the history, 27% otherwise)
 the cue predictor scores 0.110 against 0.403; the critic after 1 epoch says about 0
-everywhere, 0.568 greedy.
+everywhere, 0.568 greedy (0 on 80 states, 0.25 on 20). Not an artefact of reading the
+value token by token: the median of its distribution over the five replies scored whole
+is the greedy value on all 100 states. Trained on 58% ones, it puts most mass on "0".
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ ENV_ID = "agent_gym/Search-v0"
 RESULTS = ROOT / "benchmarks" / "results" / "critic.json"
 TASKS_PER_ROLLOUT = 8
 HOT_SAMPLES = 4
+# The values whose replies are scored whole for the critic's reply distribution.
+CANDIDATES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def collect(run: Run, sampler: Sampler, config: RolloutConfig, seed: int,
@@ -183,11 +189,33 @@ def measure(run: Run, greedy: Critic, hot: Critic, test: list[dict[str, Any]],
     medians = [float(np.median(parsed)) if (parsed := [r.value for r in rs
                                                        if r.value is not None]) else None
                for rs in sampled]
+    medians_of_replies = asyncio.run(reply_medians(greedy, sampler, test))
     return {"greedy": scores(first, targets, constant),
+            "median_of_scored_replies": scores(medians_of_replies, targets, constant),
             "temperature_1_each_reply": scores(
                 each, [t for t in targets for _ in range(HOT_SAMPLES)], constant),
             "temperature_1_median_of_4": scores(medians, targets, constant),
-            "per_state": {"target": targets, "greedy": first, "median_of_4": medians}}
+            "per_state": {"target": targets, "greedy": first, "median_of_4": medians,
+                          "median_of_scored_replies": medians_of_replies}}
+
+
+async def reply_medians(critic: Critic, sampler: Sampler,
+                        states: list[dict[str, Any]]) -> list[float]:
+    """Per state, the median of the critic's distribution over the ``CANDIDATES`` replies,
+    each scored whole (``Critic.target_reply``), not read token by token.
+
+    Greedy decoding reads the value one token at a time: "0", "0.25", "0.5" and "0.75" share
+    their first token, so their mass is pooled there against "1" alone, and a critic whose
+    most likely reply is "1" can still decode "0"."""
+
+    async def one(state: dict[str, Any]) -> float:
+        replies = [await critic.target_reply(sampler, state["prompt"], v) for v in CANDIDATES]
+        logps = np.array([sum(r.sequence.spans[-1].logprobs) for r in replies])
+        weights = np.exp(logps - logps.max())
+        cumulative = np.cumsum(weights / weights.sum())
+        return CANDIDATES[int(np.searchsorted(cumulative, 0.5))]
+
+    return list(await asyncio.gather(*(one(s) for s in states)))
 
 
 async def stated(critic: Critic, sampler: Sampler,
