@@ -104,8 +104,6 @@ ENV_ID = "agent_gym/Search-v0"
 RESULTS = ROOT / "benchmarks" / "results" / "critic.json"
 TASKS_PER_ROLLOUT = 8
 HOT_SAMPLES = 4
-# The values whose replies are scored whole for the critic's reply distribution.
-CANDIDATES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def collect(run: Run, sampler: Sampler, config: RolloutConfig, seed: int,
@@ -201,21 +199,9 @@ def measure(run: Run, greedy: Critic, hot: Critic, test: list[dict[str, Any]],
 
 async def reply_medians(critic: Critic, sampler: Sampler,
                         states: list[dict[str, Any]]) -> list[float]:
-    """Per state, the median of the critic's distribution over the ``CANDIDATES`` replies,
-    each scored whole (``Critic.target_reply``), not read token by token.
-
-    Greedy decoding reads the value one token at a time: "0", "0.25", "0.5" and "0.75" share
-    their first token, so their mass is pooled there against "1" alone, and a critic whose
-    most likely reply is "1" can still decode "0"."""
-
-    async def one(state: dict[str, Any]) -> float:
-        replies = [await critic.target_reply(sampler, state["prompt"], v) for v in CANDIDATES]
-        logps = np.array([sum(r.sequence.spans[-1].logprobs) for r in replies])
-        weights = np.exp(logps - logps.max())
-        cumulative = np.cumsum(weights / weights.sum())
-        return CANDIDATES[int(np.searchsorted(cumulative, 0.5))]
-
-    return list(await asyncio.gather(*(one(s) for s in states)))
+    """Per state, the median readout (``Critic.median``): the replies stating 0, 0.25, ...,
+    1 each scored whole, not read token by token as greedy decoding does."""
+    return list(await asyncio.gather(*(critic.median(sampler, s["prompt"]) for s in states)))
 
 
 async def stated(critic: Critic, sampler: Sampler,

@@ -83,6 +83,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -94,8 +95,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_gym.eval import wilson_interval  # noqa: E402
+from agent_gym.eval import bootstrap_interval, wilson_interval  # noqa: E402
 from trainers import grpo, sft  # noqa: E402
+from trainers.critic import READOUTS  # noqa: E402
 from trainers.opd import Args as OpdArgs  # noqa: E402
 from trainers.opd import train as opd_train  # noqa: E402
 from trainers.run import read_metrics  # noqa: E402
@@ -243,6 +245,16 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _gain_interval(valued: list[tuple[float, float]]) -> list[float] | None:
+    """95% bootstrap interval of |target - constant| - |value - target| over (value, target)
+    pairs, the constant being the median target; None without pairs."""
+    if not valued:
+        return None
+    constant = statistics.median(t for _, t in valued)
+    low, high = bootstrap_interval([abs(t - constant) - abs(v - t) for v, t in valued])
+    return [round(low, 4), round(high, 4)]
+
+
 # --------------------------------------------------------------------- OPD (--only opd)
 def add_opd_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--only opd / --only tempo")
@@ -369,6 +381,7 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-learning-rate", type=float, default=1e-4)
     group.add_argument("--tempo-critic-loss", choices=CRITIC_LOSSES, default="reward")
     group.add_argument("--tempo-critic-temperature", type=float, default=1.0)
+    group.add_argument("--tempo-critic-readout", choices=READOUTS, default="samples")
 
 
 def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -390,6 +403,7 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      horizon=options.tempo_horizon, fresh_fraction=0.5,
                      critic_loss=options.tempo_critic_loss,
                      critic_temperature=options.tempo_critic_temperature,
+                     critic_readout=options.tempo_critic_readout,
                      max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                      learning_rate=options.tempo_learning_rate, threads=1,
                      save_every=1000, out=str(work / "tempo"), progress=False)
@@ -420,6 +434,10 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if valued else None,
                 "abs_error_best_constant_per_state": best_constant_error(
                     [[t, 1, v] for v, t in valued]),
+                # per state, how much closer the critic came than that constant: a paired
+                # bootstrap interval of the mean, since errors of 0, 0.25, ... or 1 over a
+                # few dozen states move by hundredths from noise alone
+                "gain_over_best_constant_per_state_95": _gain_interval(valued),
                 "states": len(states),
                 "targets_distinct": len({round(target, 6) for target, _, _ in states}),
                 "target_mean": _mean([row["critic/target_mean"] for row in rows
@@ -440,8 +458,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
         "settings": {k: getattr(args, k) for k in (
             "warmup_updates", "td_updates", "batch_size", "horizon", "branches",
             "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
-            "critic_max_tokens", "critic_loss", "critic_temperature", "learning_rate", "lora_rank",
-            "cut_continues")},
+            "critic_max_tokens", "critic_loss", "critic_temperature", "critic_readout",
+            "learning_rate", "lora_rank", "cut_continues")},
         "warmup": pooled(warmup),
         "after_warmup": pooled(td),
         "per_update": [{k: row.get(k) for k in kept} for row in history],

@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 from pytrio import Datum, ModelInput
 
-from trainers.critic import Critic, CriticSample, critic_rewards, gather_values
+from trainers.critic import READOUTS, Critic, CriticSample, critic_rewards, gather_values
 from trainers.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
 from trainers.run import (
@@ -135,6 +135,11 @@ class Args(RunArgs):
     critic_temperature: float = option(
         1.0, "the critic's sampling temperature; 1 under --critic-loss reward, which trains "
         "on its samples; with cross_entropy 0 reads its most likely value")
+    critic_readout: str = option(
+        "samples", "how V is read at a state: samples (the mean of --endpoint-samples "
+        "sampled replies) or median (the median of the critic's distribution over the "
+        "replies stating 0, R_max/4, ..., R_max, each scored: what absolute error asks for; "
+        "the critic's accuracy metrics are then this value's)", READOUTS)
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -262,7 +267,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         tempo = Tempo(
             run, args,
             Critic(run.renderer, r_max=args.r_max, max_tokens=args.critic_max_tokens,
-                   temperature=args.critic_temperature),
+                   temperature=args.critic_temperature, readout=args.critic_readout),
             full=RolloutConfig(max_turns=run.max_turns, **budgets),
             macro=RolloutConfig(max_turns=args.horizon, **budgets),
         )
@@ -319,7 +324,8 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
     ))
     targets = [asked[i][2] for i in chosen]
     datums, supervised, metrics = critic_fit(
-        samples, targets, args, await _target_replies(tempo, sampler, prompts, targets))
+        samples, targets, args, await _target_replies(tempo, sampler, prompts, targets),
+        await _estimates(tempo, sampler, prompts))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
     metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
@@ -413,7 +419,8 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     # ---- critic signals at the start states, against G = mean R
     critic_datums, supervised, metrics = critic_fit(
         start_samples, targets, args,
-        await _target_replies(tempo, sampler, start_prompts, targets))
+        await _target_replies(tempo, sampler, start_prompts, targets),
+        await _estimates(tempo, sampler, start_prompts))
     datums += critic_datums
 
     # ---- where branches stopped at the horizon with room to go on: new states
@@ -473,11 +480,17 @@ def best_constant_error(per_state: Sequence[Sequence[float | int | None]]) -> fl
 def critic_update(
     samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], r_max: float,
     target_replies: Sequence[CriticSample] | None = None,
+    estimates: Sequence[float] | None = None,
 ) -> tuple[list[Datum], Metrics]:
     """Critic datums (rewards centred per start state) and the critic's accuracy metrics.
 
     ``target_replies`` (one per state, ``Critic.target_reply``) join their state's group
     for training only: the metrics are the sampled replies' alone.
+
+    ``estimates`` (one per state): the critic's value read otherwise than from these
+    samples (``--critic-readout median``). The accuracy metrics are then the estimates',
+    one value per state (``critic/parsed`` counts them); the samples still train (under the
+    reward rule) and give the parse rate.
 
     ``critic/abs_error_constant`` is what the best constant in hindsight would have scored
     on the same parsed samples (``best_constant_error``); a critic below it tells states
@@ -491,9 +504,10 @@ def critic_update(
     per_state: list[list[float | int | None]] = []
     degenerate = 0
     shown = target_replies if target_replies is not None else [None] * len(samples)
-    for group, target, reply in zip(samples, targets, shown, strict=True):
-        values = [s.value for s in group]
-        parsed = [v for v in values if v is not None]
+    read = [[e] for e in estimates] if estimates is not None else [None] * len(samples)
+    for group, target, reply, estimate in zip(samples, targets, shown, read, strict=True):
+        parsed = estimate if estimate is not None else [s.value for s in group
+                                                         if s.value is not None]
         errors += [abs(v - target) for v in parsed]
         mean = float(np.mean(parsed)) if parsed else None
         per_state.append([float(target), len(parsed), mean])
@@ -523,7 +537,7 @@ def critic_update(
 
 def critic_fit(
     samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], args: Args,
-    target_replies: Sequence[CriticSample] | None,
+    target_replies: Sequence[CriticSample] | None, estimates: Sequence[float] | None = None,
 ) -> tuple[list[Datum], list[Datum], Metrics]:
     """The critic's datums by ``--critic-loss``: (policy-loss datums, cross-entropy datums,
     metrics). Either way the metrics are the sampled replies' (``critic_update``).
@@ -532,11 +546,12 @@ def critic_fit(
     where the reward rule learns nothing from a state whose samples all agree with G and
     little from one they nearly match."""
     if args.critic_loss == "reward":
-        datums, metrics = critic_update(samples, targets, args.r_max, target_replies)
+        datums, metrics = critic_update(samples, targets, args.r_max, target_replies,
+                                        estimates)
         return datums, [], metrics
     if target_replies is None:
         raise RunConfigError("--critic-loss cross_entropy needs the target replies")
-    _, metrics = critic_update(samples, targets, args.r_max)
+    _, metrics = critic_update(samples, targets, args.r_max, estimates=estimates)
     supervised = [cross_entropy_datum(reply.sequence) for reply in target_replies]
     return [], supervised, metrics | {"critic/datums": len(supervised),
                                       "critic/degenerate_group_rate": None}
@@ -556,6 +571,16 @@ async def _target_replies(
         tempo.critic.target_reply(sampler, prompt, target)
         for prompt, target in zip(prompts, targets, strict=True)
     )))
+
+
+async def _estimates(
+    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]]
+) -> list[float] | None:
+    """Each state's value by the median readout (``--critic-readout median``), else None:
+    the sampled replies are then the critic's estimate."""
+    if tempo.critic.readout != "median":
+        return None
+    return list(await asyncio.gather(*(tempo.critic.median(sampler, p) for p in prompts)))
 
 
 def _opening_prompt(tempo: Tempo, episode: Episode) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import gymnasium
@@ -110,3 +111,41 @@ def test_the_target_reply_states_the_target_and_carries_the_current_logprobs() -
     assert span.logprobs == pytest.approx(scored.result()[span.start:])
     # a target outside [0, R_max] (a TD return over R_max) is stated at the nearest bound
     assert asyncio.run(critic.target_reply(sampler, prompt, 1.7)).value == 1.0
+
+
+class ScoredSampler:
+    """Scores each reply stating a value by a fixed probability (on its last token)."""
+
+    def __init__(self, renderer: ChatRenderer, prompt: list[int],
+                 probabilities: dict[str, float]) -> None:
+        self.renderer, self.prompt, self.probabilities = renderer, prompt, probabilities
+
+    async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
+        tokens = prompt.to_ints()
+        stated = self.renderer.tokenizer.decode(tokens[len(self.prompt):])
+        chance = self.probabilities[stated.removesuffix("</value>")]
+        return [None, *[0.0] * (len(tokens) - 2), math.log(chance)]
+
+
+@pytest.mark.parametrize(("probabilities", "median"), [
+    # mode 0, mean 0.5, but half the mass is at 0.75 or above: the median is 0.75
+    ({"0": 0.45, "0.25": 0.01, "0.5": 0.01, "0.75": 0.13, "1": 0.40}, 0.75),
+    ({"0": 0.2, "0.25": 0.2, "0.5": 0.2, "0.75": 0.2, "1": 0.2}, 0.5),
+    ({"0": 0.7, "0.25": 0.0001, "0.5": 0.0001, "0.75": 0.0001, "1": 0.2997}, 0.0),
+])
+def test_the_median_readout_reads_the_middle_of_the_scored_replies(
+    probabilities: dict[str, float], median: float
+) -> None:
+    renderer = ChatRenderer(smollm2_tokenizer())
+    critic = Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0, readout="median")
+    prompt = critic.prompt(CHAT, 2, {})
+    sampler = ScoredSampler(renderer, prompt, probabilities)
+    assert asyncio.run(critic.median(sampler, prompt)) == median
+    value, sampled = asyncio.run(critic.value(sampler, prompt, 4, seed=0))
+    assert (value, sampled) == (median, [])  # nothing sampled for the estimate
+    doubled = Critic(renderer, r_max=2.0, max_tokens=8, temperature=1.0, readout="median")
+    stated = {str(2 * float(k)).removesuffix(".0"): p for k, p in probabilities.items()}
+    scaled = ScoredSampler(renderer, doubled.prompt(CHAT, 2, {}), stated)
+    assert asyncio.run(doubled.median(scaled, doubled.prompt(CHAT, 2, {}))) == 2 * median
+    with pytest.raises(ValueError, match="readout"):
+        Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0, readout="mode")

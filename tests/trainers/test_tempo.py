@@ -177,6 +177,24 @@ def test_the_cross_entropy_critic_trains_each_states_target_reply_alone() -> Non
     assert parse_args(["--critic-loss", "cross_entropy", "--critic-temperature", "0"])
 
 
+def test_estimates_read_otherwise_are_what_the_accuracy_metrics_score() -> None:
+    sequence = TokenSequence((1, 2)).extend([1, 2], [3], [-0.5])
+    # two states, targets 0 and 1; the samples say 0.5/None and 0.5/0.5, the estimates 0, 1
+    samples = [[CriticSample(sequence, 0.5), CriticSample(sequence, None)],
+               [CriticSample(sequence, 0.5), CriticSample(sequence, 0.5)]]
+    datums, metrics = critic_update(samples, [0.0, 1.0], 1.0, estimates=[0.0, 1.0])
+    assert metrics["critic/abs_error_mean"] == 0.0 and metrics["critic/parsed"] == 2
+    assert metrics["critic/per_state"] == [[0.0, 1, 0.0], [1.0, 1, 1.0]]
+    assert metrics["critic/value_corr"] == pytest.approx(1.0)
+    assert len(datums) == 2  # the samples still train: the second group is degenerate
+    _, supervised, fitted = critic_fit(samples, [0.0, 1.0], Args(critic_loss="cross_entropy"),
+                                       [samples[0][0], samples[1][0]], [1.0, 1.0])
+    assert len(supervised) == 2 and fitted["critic/abs_error_mean"] == 0.5
+    assert parse_args(["--critic-readout", "median"]).critic_readout == "median"
+    with pytest.raises(SystemExit):
+        parse_args(["--critic-readout", "mode"])
+
+
 def test_one_constant_for_every_update_is_the_median_of_all_their_targets() -> None:
     # update 1: one state, target 0, 2 parsed samples; update 2: target 1, 1 parsed sample.
     # Fitted to each update alone a constant is exact twice; one constant for both is the
@@ -280,13 +298,19 @@ def test_end_to_end_on_a_toy_env(model: str, tmp_path: Path) -> None:
     assert image == tmp_path / "metrics.png" and image.stat().st_size > 10_000
 
 
-def test_a_cross_entropy_critic_trains_in_the_same_update(model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("readout", ["samples", "median"])
+def test_a_cross_entropy_critic_trains_in_the_same_update(
+    model: str, tmp_path: Path, readout: str
+) -> None:
     service = CountingService()
     history = train(toy_args(model, tmp_path, critic_loss="cross_entropy", td_updates=2,
-                             critic_temperature=0.0), service)
+                             critic_temperature=0.0, critic_readout=readout), service)
     for row in history:
         assert row["supervised_datums"] == row["critic/datums"] == row["critic/states"]
         assert row["datums"] == row.get("actor/datums", 0)
+        if readout == "median":  # one estimate per state; the K samples only at the starts
+            assert row["critic/parsed"] == row["critic/states"]
+            assert row["critic/samples"] == 4 * row["critic/states"]
     # the actor's datums (if any), then the critic's, then one optim_step
     expected = [call for row in history
                 for call in ([("forward_backward", row["datums"])] if row["datums"] else [])
