@@ -23,7 +23,7 @@ of the training targets) on the same states:
 - every one of 4 replies at temperature 1 (what ``bench_learning`` scores);
 - the median of those 4 replies;
 - the median of its distribution over the replies stating 0, 0.25, 0.5, 0.75 and 1, each
-  scored whole (``reply_medians``).
+  scored whole (``Critic.median``, TEMPO's ``--critic-readout median``).
 
 Also reported: what a predictor would score that knows the question, whether the state is
 an opening, and whether a gold answer's string appears in the history so far. It takes the

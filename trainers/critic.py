@@ -26,10 +26,10 @@ parse. ``median``: the median of the critic's distribution over the replies stat
 R_max/4, ..., R_max, each scored whole by the current weights (``Critic.median``). TEMPO's
 critic is judged by absolute error, which the median of a belief minimises, not its mean
 or its mode; and reading a value token by token favours the decimals, whose replies
-share the first token "0" against "1" alone. On Search-v0 states of a 3-epoch SFT
-checkpoint, a critic fitted by cross-entropy put nearly even mass on "0" and "1" (logprob
-margins of +0.09 where the answer was in the history, -0.07 where not); its scored median
-told them apart (AUC 0.86), its greedy reply said 0 almost everywhere.
+share the first token "0" against "1" alone. A small critic fitted by cross-entropy to
+outcomes that are mostly 0 or 1 ends close to even between "0" and "1" (on Search-v0
+states, logprob margins of a tenth either way), where only a reading of the whole
+distribution sees on which side of the middle a state falls.
 
 Parsing is strict: the last ``<value>...</value>`` of a reply (prefill included) that ended
 by itself must hold a plain decimal number in ``[0, R_max]``. Anything else (no tag, a cut

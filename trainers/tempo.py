@@ -24,8 +24,13 @@ A group whose R_n are all equal, or whose critic rewards are all equal, teaches 
 is skipped (and counted). ``--critic-loss cross_entropy`` fits the critic another way: the
 reply stating G is trained as a demonstration (a regression onto G in the critic's own
 words), every state counts, and the K samples only measure, so they may be drawn greedily
-(``--critic-temperature 0``: the critic's most likely value, the one absolute error asks
-for, where a sample at temperature 1 adds the spread of its guesses).
+(``--critic-temperature 0``: the critic's most likely value, where a sample at temperature
+1 adds the spread of its guesses). ``--critic-readout median`` reads V at every state as
+the median of the critic's distribution over the replies stating 0, R_max/4, ..., R_max,
+each scored (``Critic.median``): the estimate absolute error asks for. On Search-v0 from a
+3-epoch SFT checkpoint, cross-entropy read that way beat the best constant after warm-up
+(0.258 against 0.328 over 32 states), where read greedily it answered about 0 everywhere
+(0.387 against 0.324).
 
 Before the TD updates, ``warmup_updates`` updates train the critic
 alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
