@@ -545,7 +545,8 @@ def critic_fit(
     target_replies: Sequence[CriticSample] | None, estimates: Sequence[float] | None = None,
 ) -> tuple[list[Datum], list[Datum], Metrics]:
     """The critic's datums by ``--critic-loss``: (policy-loss datums, cross-entropy datums,
-    metrics). Either way the metrics are the sampled replies' (``critic_update``).
+    metrics). Either way the metrics are those of ``critic_update``: the sampled replies',
+    or the ``estimates`` where the value is read otherwise.
 
     ``cross_entropy`` is regression onto G in the critic's own words: every state trains,
     where the reward rule learns nothing from a state whose samples all agree with G and
