@@ -39,6 +39,9 @@ Sections (``--only``), each merged into ``--out`` under its name, so one can be 
   against the best constant in hindsight on the same values (one constant for all of
   them, the median of their targets; the constant re-fitted to each update is reported
   too), with a bootstrap interval of the per-state gain. Also ``learning-tempo.png``.
+- ``tempo_pooled`` (only with ``--only``): the after-warm-up figures of several TEMPO runs
+  (``--pool-tempo`` their run directories, replicates with other ``--tempo-seed``s) pooled
+  over all their states, and each run's.
 
 SFT here is one epoch at learning rate 1e-3 by default (``--preset cpu-demo``'s, what
 ``make run`` trains); the earlier measurement of 4 epochs at 2e-4 (0/18 -> 14/18 held
@@ -387,6 +390,8 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-critic-loss", choices=CRITIC_LOSSES, default="reward")
     group.add_argument("--tempo-critic-temperature", type=float, default=1.0)
     group.add_argument("--tempo-critic-readout", choices=READOUTS, default="samples")
+    group.add_argument("--pool-tempo", nargs="+", default=[], metavar="RUN_DIR",
+                       help="--only tempo_pooled: the TEMPO run directories to pool")
     group.add_argument("--tempo-seed", type=int, default=0,
                        help="the run's seed (tasks and sampling): replicates differ here")
 
@@ -418,38 +423,6 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
     history = tempo_train(args)
     seconds = time.perf_counter() - started
 
-    def pooled(rows: list[dict[str, Any]]) -> dict[str, Any]:
-        samples = sum(row["critic/samples"] for row in rows)
-        failed = sum(row["critic/parse_failure_rate"] * row["critic/samples"]
-                     for row in rows if row["critic/samples"])
-        scored = [row for row in rows if row["critic/parsed"]]
-        parsed = sum(row["critic/parsed"] for row in scored)
-        error = sum(row["critic/abs_error_mean"] * row["critic/parsed"] for row in scored)
-        refitted = sum(row["critic/abs_error_constant"] * row["critic/parsed"] for row in scored)
-        states = [state for row in rows for state in row["critic/per_state"]]
-        valued = [(value, target) for target, _, value in states if value is not None]
-        return {"updates": len(rows), "critic_samples": samples,
-                "parse_rate": (samples - failed) / samples if samples else None,
-                "trained_samples_parsed": parsed,
-                "abs_error": error / parsed if parsed else None,
-                "abs_error_best_constant": best_constant_error(states),
-                "abs_error_constant_refitted_per_update": refitted / parsed if parsed else None,
-                "value_target_corr": value_corr(*zip(*valued, strict=True)) if valued else None,
-                # the critic's estimate as TEMPO uses it at an endpoint (the mean of its
-                # samples), one per state, against the median of the states' targets
-                "abs_error_of_state_means": _mean([abs(v - t) for v, t in valued])
-                if valued else None,
-                "abs_error_best_constant_per_state": best_constant_error(
-                    [[t, 1, v] for v, t in valued]),
-                # per state, how much closer the critic came than that constant: a paired
-                # bootstrap interval of the mean, since errors of 0, 0.25, ... or 1 over a
-                # few dozen states move by hundredths from noise alone
-                "gain_over_best_constant_per_state_95": _gain_interval(valued),
-                "states": len(states),
-                "targets_distinct": len({round(target, 6) for target, _, _ in states}),
-                "target_mean": _mean([row["critic/target_mean"] for row in rows
-                                      if row["critic/target_mean"] is not None] or [0.0])}
-
     warmup = [row for row in history if row["phase"] == "warmup"]
     td = [row for row in history if row["phase"] == "td"]
     kept = ("step", "phase", "critic/abs_error_mean", "critic/abs_error_constant",
@@ -467,8 +440,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
             "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
             "critic_max_tokens", "critic_loss", "critic_temperature", "critic_readout",
             "learning_rate", "lora_rank", "cut_continues", "seed")},
-        "warmup": pooled(warmup),
-        "after_warmup": pooled(td),
+        "warmup": pooled_critic(warmup),
+        "after_warmup": pooled_critic(td),
         "per_update": [{k: row.get(k) for k in kept} for row in history],
         "seconds": round(seconds, 1), "load_start": load_start, "load_end": _load(),
     }
@@ -486,6 +459,52 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
     print(json.dumps({"warmup": section["warmup"], "after_warmup": after,
                       "targets": section["targets"]}))
     return section
+
+
+def section_tempo_pooled(options: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The after-warm-up critic figures of several TEMPO runs pooled (``--pool-tempo``:
+    their run directories, each holding ``metrics.jsonl``): replicates with other seeds,
+    so that one run's luck is not the claim."""
+    if not options.pool_tempo:
+        raise SystemExit("--only tempo_pooled needs --pool-tempo RUN_DIR [RUN_DIR ...]")
+    runs = {str(path): [row for row in read_metrics(Path(path) / "metrics.jsonl")
+                        if row["phase"] == "td"] for path in options.pool_tempo}
+    return {"runs": {path: pooled_critic(rows) for path, rows in runs.items()},
+            "after_warmup": pooled_critic([row for rows in runs.values() for row in rows])}
+
+
+def pooled_critic(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The critic's figures over some updates of a TEMPO run, pooled (``section_tempo``)."""
+    samples = sum(row["critic/samples"] for row in rows)
+    failed = sum(row["critic/parse_failure_rate"] * row["critic/samples"]
+                 for row in rows if row["critic/samples"])
+    scored = [row for row in rows if row["critic/parsed"]]
+    parsed = sum(row["critic/parsed"] for row in scored)
+    error = sum(row["critic/abs_error_mean"] * row["critic/parsed"] for row in scored)
+    refitted = sum(row["critic/abs_error_constant"] * row["critic/parsed"] for row in scored)
+    states = [state for row in rows for state in row["critic/per_state"]]
+    valued = [(value, target) for target, _, value in states if value is not None]
+    return {"updates": len(rows), "critic_samples": samples,
+            "parse_rate": (samples - failed) / samples if samples else None,
+            "trained_samples_parsed": parsed,
+            "abs_error": error / parsed if parsed else None,
+            "abs_error_best_constant": best_constant_error(states),
+            "abs_error_constant_refitted_per_update": refitted / parsed if parsed else None,
+            "value_target_corr": value_corr(*zip(*valued, strict=True)) if valued else None,
+            # the critic's estimate as TEMPO uses it at an endpoint (the mean of its
+            # samples), one per state, against the median of the states' targets
+            "abs_error_of_state_means": _mean([abs(v - t) for v, t in valued])
+            if valued else None,
+            "abs_error_best_constant_per_state": best_constant_error(
+                [[t, 1, v] for v, t in valued]),
+            # per state, how much closer the critic came than that constant: a paired
+            # bootstrap interval of the mean, since errors of 0, 0.25, ... or 1 over a
+            # few dozen states move by hundredths from noise alone
+            "gain_over_best_constant_per_state_95": _gain_interval(valued),
+            "states": len(states),
+            "targets_distinct": len({round(target, 6) for target, _, _ in states}),
+            "target_mean": _mean([row["critic/target_mean"] for row in rows
+                                  if row["critic/target_mean"] is not None] or [0.0])}
 
 
 def _plot_tempo(history: list[dict[str, Any]], path: Path) -> None:
@@ -523,7 +542,10 @@ def _plot_tempo(history: list[dict[str, Any]], path: Path) -> None:
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "sft": section_sft, "grpo": section_grpo, "opd": section_opd, "tempo": section_tempo,
+    "tempo_pooled": section_tempo_pooled,
 }
+# What runs without --only: every section that trains (pooling only reads earlier runs).
+DEFAULT_SECTIONS = ("sft", "grpo", "opd", "tempo")
 
 
 def main() -> int:
@@ -547,7 +569,7 @@ def main() -> int:
     torch.set_num_threads(1)
     work = Path(options.work)
     out = Path(options.out)
-    for name in [n for n in SECTIONS if n in (options.only or SECTIONS)]:
+    for name in [n for n in SECTIONS if n in (options.only or DEFAULT_SECTIONS)]:
         uptime_start, started = os.getloadavg(), time.perf_counter()
         section = SECTIONS[name](options, work)
         section |= {"bench_command": " ".join(["python", *sys.argv]),
