@@ -82,7 +82,10 @@ The results file's ``tempo`` section: from a 3-epoch SFT checkpoint, ``--tempo-w
 --tempo-endpoint-samples 1 --tempo-horizon 2 --tempo-learning-rate 3e-4
 --tempo-critic-loss cross_entropy --tempo-critic-temperature 0 --tempo-critic-readout
 median`` (37 min, load 0.6-1.8): after warm-up parse 64/64, abs error 0.258 against 0.328
-for one constant (32 states), correlation 0.44: below. The README has the replicates.
+for one constant (32 states), correlation 0.44: below. Not so in two replicates with
+``--tempo-seed 1`` and ``2`` and 16 TD updates (``tempo-median-seed1.json``, ``-seed2``:
+0.339 against 0.312 and 0.427 against 0.356, 64 states each); pooled over the three runs
+(``tempo_pooled``) 0.358 against 0.338, gain interval [-0.07, 0.03].
 """
 
 from __future__ import annotations

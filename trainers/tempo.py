@@ -28,9 +28,9 @@ words), every state counts, and the K samples only measure, so they may be drawn
 1 adds the spread of its guesses). ``--critic-readout median`` reads V at every state as
 the median of the critic's distribution over the replies stating 0, R_max/4, ..., R_max,
 each scored (``Critic.median``): the estimate absolute error asks for. On Search-v0 from a
-3-epoch SFT checkpoint, cross-entropy read that way beat the best constant after warm-up
-(0.258 against 0.328 over 32 states), where read greedily it answered about 0 everywhere
-(0.387 against 0.324).
+3-epoch SFT checkpoint, where cross-entropy read greedily answered about 0 everywhere,
+read that way it beat the best constant after warm-up in one run of three (0.258 against
+0.328 over 32 states) and not in the other two; pooled, 0.358 against 0.338 (README).
 
 Before the TD updates, ``warmup_updates`` updates train the critic
 alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
