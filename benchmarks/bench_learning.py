@@ -495,7 +495,7 @@ def pooled_critic(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "abs_error_constant_refitted_per_update": refitted / parsed if parsed else None,
             "value_target_corr": value_corr(*zip(*valued, strict=True)) if valued else None,
             # the critic's estimate as TEMPO uses it at an endpoint (the mean of its
-            # samples), one per state, against the median of the states' targets
+            # samples, or the median readout), one per state, against the median target
             "abs_error_of_state_means": _mean([abs(v - t) for v, t in valued])
             if valued else None,
             "abs_error_best_constant_per_state": best_constant_error(
