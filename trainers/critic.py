@@ -26,10 +26,8 @@ parse. ``median``: the median of the critic's distribution over the replies stat
 R_max/4, ..., R_max, each scored whole by the current weights (``Critic.median``). TEMPO's
 critic is judged by absolute error, which the median of a belief minimises, not its mean
 or its mode; and reading a value token by token favours the decimals, whose replies
-share the first token "0" against "1" alone. A small critic fitted by cross-entropy to
-outcomes that are mostly 0 or 1 ends close to even between "0" and "1" (on Search-v0
-states, logprob margins of a tenth either way), where only a reading of the whole
-distribution sees on which side of the middle a state falls.
+share the first token "0" against "1" alone. Measured on Search-v0 (README, TEMPO), it
+is no cure for a critic whose fit has collapsed to one value: it reads that value too.
 
 Parsing is strict: the last ``<value>...</value>`` of a reply (prefill included) that ended
 by itself must hold a plain decimal number in ``[0, R_max]``. Anything else (no tag, a cut
