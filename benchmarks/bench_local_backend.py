@@ -16,6 +16,9 @@
   400/1000 positions: together they show what bounds the ratio.
 - prefill: prompt tokens run through the model per turn over a 10-turn ALFWorld episode,
   with the prefix cache and without it (same seeds, hence the same episode).
+- scoring: TEMPO's median readout (``Critic.median``: five replies of a few tokens scored
+  after one critic prompt) on the critic prompts of 8 Search-v0 openings, with
+  ``compute_logprobs``'s prefix cache and without it: seconds and positions run.
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
   time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
   process) of the new pass, without and with ``activation_checkpointing``, against the
@@ -29,7 +32,7 @@
 Everything runs on one torch thread (this machine is shared; see runtime.default_threads).
 
     python benchmarks/bench_local_backend.py [--out benchmarks/results/local_backend.json]
-        [--sections rollouts,prefill,learner,grpo] [--max-tokens 48]
+        [--sections rollouts,prefill,scoring,learner,grpo] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from trainers.backends.local import (
 from trainers.backends.losses import check_loss, token_losses
 from trainers.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
 from trainers.backends.sampler import LocalSamplingClient
+from trainers.critic import VALUE_GRID, Critic
 from trainers.rollout import RolloutConfig, rollout_groups
 from trainers.run import EnvPool, env_factory
 
@@ -288,11 +292,11 @@ def bench_decode_steps(
     return out
 
 
-def gymnasium_opening(env_id: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+def gymnasium_opening(env_id: str, kwargs: dict[str, Any], index: int = 0) -> dict[str, Any]:
     pool = EnvPool(env_factory(env_id, kwargs, None))
     env = pool()
     try:
-        return env.reset(options={"index": 0})[1]
+        return env.reset(options={"index": index})[1]
     finally:
         env.close()
         pool.close()
@@ -333,6 +337,36 @@ def bench_prefill(service: LocalServiceClient, turns: int = 10) -> dict[str, Any
     out["total_ratio_without_vs_with"] = round(
         without["prefill_tokens_total"] / with_cache["prefill_tokens_total"], 2
     )
+    return out
+
+
+# --------------------------------------------------------------------------- scoring
+def bench_scoring(service: LocalServiceClient, states: int = 8) -> dict[str, Any]:
+    base = service.create_sampling_client("smollm2")
+    critic = Critic(ChatRenderer(base.tokenizer), r_max=1.0, max_tokens=8, temperature=0.0)
+    prompts = []
+    for index in range(states):
+        info = gymnasium_opening("agent_gym/Search-v0", {"split": "train"}, index)
+        messages = info["messages"]
+        prompts.append(critic.prompt(messages, len(messages), info["privileged"]))
+    out: dict[str, Any] = {"env": "Search-v0 (openings)", "states": states,
+                           "mean_prompt_tokens": round(sum(map(len, prompts)) / states, 1),
+                           "replies_per_state": len(VALUE_GRID)}
+    medians = {}
+    for label, cache_bytes in (("with_cache", 1 << 30), ("without_cache", 0)):
+        sampler = LocalSamplingClient(base.model, base.tokenizer, "smollm2",
+                                      kv_cache_bytes=cache_bytes)
+
+        async def readout(client: LocalSamplingClient = sampler) -> list[float]:
+            return list(await asyncio.gather(*(critic.median(client, p) for p in prompts)))
+
+        start = time.perf_counter()
+        medians[label] = asyncio.run(readout())
+        out[label] = {"seconds": round(time.perf_counter() - start, 2),
+                      "positions_reused": sampler.scored_reused_tokens}
+    out["same_medians"] = medians["with_cache"] == medians["without_cache"]
+    out["ratio_without_vs_with"] = round(
+        out["without_cache"]["seconds"] / out["with_cache"]["seconds"], 2)
     return out
 
 
@@ -514,7 +548,7 @@ def bench_grpo() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/local_backend.json"))
-    parser.add_argument("--sections", default="rollouts,prefill,learner,grpo")
+    parser.add_argument("--sections", default="rollouts,prefill,scoring,learner,grpo")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
     parser.add_argument("--learner-repeats", type=int, default=2)
     parser.add_argument("--learner-variant", choices=LEARNER_VARIANTS, help=argparse.SUPPRESS)
@@ -530,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         sections = {
             "rollouts": lambda: bench_rollouts(service, args.max_tokens),
             "prefill": lambda: bench_prefill(service),
+            "scoring": lambda: bench_scoring(service),
             "learner": lambda: bench_learner(args.learner_repeats),
             "grpo": bench_grpo,
         }

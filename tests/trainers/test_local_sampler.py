@@ -285,3 +285,26 @@ def test_decoding_layout_keeps_every_weight_and_logit(service: LocalServiceClien
     with torch.inference_mode():
         torch.testing.assert_close(client.model(input_ids=ids).logits,
                                    fresh(input_ids=ids).logits, rtol=0, atol=LOGIT_TOL)
+
+
+def test_compute_logprobs_reuses_a_scored_prefix_and_scores_as_a_fresh_forward(
+    service: LocalServiceClient,
+) -> None:
+    """Replies scored after one shared prompt (TEMPO's median readout) run the prompt once;
+    every logprob, the prompt's and the replies', is what an uncached client computes."""
+    cached, fresh = sampler(service), sampler(service, kv_cache_bytes=0)
+    prompt = PROMPTS[2]
+    replies = [[3, 4], [3, 5, 6], [8], [3, 4, 9]]
+    for reply in replies:
+        tokens = ModelInput.from_ints(prompt + reply)
+        got, want = cached.compute_logprobs(tokens).result(), fresh.compute_logprobs(tokens).result()
+        assert got[0] is None and want[0] is None and len(got) == len(want)
+        np.testing.assert_allclose(got[1:], want[1:], atol=LOGPROB_TOL, rtol=0)
+    # Each call's longest common prefix with an earlier one: none, prompt + [3], prompt,
+    # prompt + [3, 4]. Its last position runs again, so one less is reused.
+    shared = [len(prompt) + 1, len(prompt), len(prompt) + 2]
+    assert cached.scored_reused_tokens == sum(shared) - len(shared)
+    again = ModelInput.from_ints(prompt + replies[1])  # scored before: read back, exactly
+    assert cached.compute_logprobs(again).result() == cached.compute_logprobs(again).result()
+    assert cached.scored_reused_tokens == sum(shared) - len(shared) + 2 * len(prompt + replies[1])
+    assert fresh.scored_reused_tokens == 0

@@ -28,10 +28,12 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """Keys and values of ``length`` tokens, per layer."""
+    """Keys and values of ``length`` tokens, per layer, and (for a scored prompt) each
+    token's logprob given the ones before it (``logprobs[0]`` is NaN)."""
 
     tokens: np.ndarray
     layers: tuple[LayerKV, ...]
+    logprobs: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -86,7 +88,9 @@ class PrefixCache:
                 self._entries.move_to_end(best_key)
         return best, best_len
 
-    def put(self, tokens: list[int], layers: tuple[LayerKV, ...]) -> None:
+    def put(
+        self, tokens: list[int], layers: tuple[LayerKV, ...], logprobs: np.ndarray | None = None
+    ) -> None:
         """Store a prefix (the tensors must be owned by the caller: not views of a batch).
 
         Entries that are prefixes of the new one are dropped: the new entry serves every
@@ -94,7 +98,7 @@ class PrefixCache:
         """
         if not tokens:
             return
-        entry = CachedPrefix(np.asarray(tokens, dtype=np.int64), layers)
+        entry = CachedPrefix(np.asarray(tokens, dtype=np.int64), layers, logprobs)
         size = entry.nbytes
         if size > self.max_bytes:
             return

@@ -4,7 +4,10 @@ Every call goes to one batching engine (``trainers.backends.batching``): concurr
 (all groups' first turns, every branch's later turns, critic samples) are decoded together as
 one batch, rows joining and leaving as they arrive and finish, and each branch's next turn
 prefills only the tokens its previous turn did not (``trainers.backends.kvcache``).
-``num_samples`` sequences from one prompt share a single prefill.
+``num_samples`` sequences from one prompt share a single prefill. ``compute_logprobs`` keeps
+its own prefix cache (keys, values and the logprobs already computed), so prompts scored one
+after another that share a long opening pay for it once: TEMPO's median readout scores five
+replies of a few tokens after one critic prompt of hundreds.
 
 Each returned token carries its logprob under the distribution it was drawn from
 (temperature, top-k and top-p applied); with the defaults (temperature 1, no filtering) that
@@ -24,10 +27,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from pytrio import ModelInput, SamplingParams
 from pytrio.types import APIFuture, SampleResponse, SampleSequence
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainers.backends.batching import BatchEngine, EngineStats, SampleRequest
 from trainers.backends.kvcache import PrefixCache
@@ -63,7 +67,8 @@ class LocalSamplingClient:
         max_rows: rows decoded together at most (more wait for room; a single call larger
             than this runs alone).
         kv_cache_bytes: memory for keys/values kept between calls for prefix reuse (0 turns
-            reuse off). It lives and dies with this client, i.e. with these weights.
+            reuse off), as much again for ``compute_logprobs``'s. It lives and dies with
+            this client, i.e. with these weights.
     """
 
     def __init__(
@@ -87,6 +92,8 @@ class LocalSamplingClient:
             self.model, tokenizer, self.device, max_rows=max_rows,
             prefix_cache=PrefixCache(kv_cache_bytes),
         )
+        self._scored = PrefixCache(kv_cache_bytes)
+        self.scored_reused_tokens = 0  # compute_logprobs positions read from that cache
 
     @property
     def stats(self) -> EngineStats:
@@ -231,9 +238,27 @@ class LocalSamplingClient:
         raise ValueError("stop must be a string, a list of strings or a list of token ids")
 
     def _prompt_logprobs(self, tokens: list[int]) -> list[float | None]:
-        """Runs on the engine's thread (``engine.run``)."""
-        ids = torch.tensor([tokens], device=self.device)
+        """Runs on the engine's thread (``engine.run``).
+
+        The longest scored prefix is reused but for its last position, which runs again:
+        its hidden state, not kept, is what scores the first new token. A prompt scored
+        before (or a prefix of one) runs nothing and gets the very same logprobs."""
+        entry, shared = self._scored.longest_prefix(tokens, limit=len(tokens))
+        if entry is not None and shared == len(tokens):  # scored before, as a whole or a part
+            self.scored_reused_tokens += shared
+            return [None, *entry.logprobs[1:shared].tolist()]
+        start = max(shared - 1, 0) if entry is not None else 0
+        past = DynamicCache(ddp_cache_data=entry.cropped(start)) if start else DynamicCache()
+        ids = torch.tensor([tokens[start:]], device=self.device)
+        positions = torch.arange(start, len(tokens), device=self.device)[None]
         with torch.inference_mode(), autocast(self.device):
-            hidden = self._body(input_ids=ids).last_hidden_state[0, :-1]
-            picked = target_logprobs(self._head, hidden, ids[0, 1:], LOGPROB_CHUNK)
-        return [None, *picked.cpu().tolist()]
+            out = self._body(input_ids=ids, position_ids=positions, cache=past, use_cache=True)
+            picked = target_logprobs(self._head, out.last_hidden_state[0, :-1], ids[0, 1:],
+                                     LOGPROB_CHUNK).float().cpu().numpy()
+        known = entry.logprobs[: start + 1] if start else np.array([np.nan])
+        logprobs = np.concatenate([known, picked])
+        if self._scored.max_bytes:
+            self._scored.put(tokens, tuple((layer.keys, layer.values)
+                                           for layer in out.cache.layers), logprobs)
+        self.scored_reused_tokens += start
+        return [None, *logprobs[1:].tolist()]
