@@ -299,7 +299,8 @@ def main() -> None:
         for state in pools[0] + pools[1]:
             state["prompt"] = greedy.prompt(state["messages"], state["opening"],
                                             state["privileged"])
-            shown = run.renderer.tokenizer.decode(state["prompt"]).split("## History", 1)[-1]
+            text = run.renderer.tokenizer.decode(state["prompt"])
+            shown = text.split("## History", 1)[-1].split("## Privileged information", 1)[0]
             state["answer_shown"] = any(str(a).lower() in shown.lower()
                                         for a in state["privileged"].get("answers", []))
         # Separate streams: the measured states do not change with --train-states.

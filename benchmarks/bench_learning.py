@@ -393,6 +393,7 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-critic-loss", choices=CRITIC_LOSSES, default="reward")
     group.add_argument("--tempo-critic-temperature", type=float, default=1.0)
     group.add_argument("--tempo-critic-readout", choices=READOUTS, default="samples")
+    group.add_argument("--tempo-critic-replay", type=int, default=0)
     group.add_argument("--pool-tempo", nargs="+", default=[], metavar="RUN_DIR",
                        help="--only tempo_pooled: the TEMPO run directories to pool")
     group.add_argument("--tempo-seed", type=int, default=0,
@@ -418,7 +419,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      horizon=options.tempo_horizon, fresh_fraction=0.5,
                      critic_loss=options.tempo_critic_loss,
                      critic_temperature=options.tempo_critic_temperature,
-                     critic_readout=options.tempo_critic_readout, seed=options.tempo_seed,
+                     critic_readout=options.tempo_critic_readout,
+                     critic_replay=options.tempo_critic_replay, seed=options.tempo_seed,
                      max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                      learning_rate=options.tempo_learning_rate, threads=1,
                      save_every=1000, out=str(work / "tempo"), progress=False)
@@ -432,7 +434,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
             "critic/parse_failure_rate", "critic/samples", "critic/parsed", "critic/states",
             "critic/target_mean", "critic/value_mean", "critic/value_corr", "reward_mean",
             "turns_mean", "cut_replies", "warmup/boundary_states", "td/restored_states",
-            "td/fresh_states", "td/store_size", "actor/datums", "critic/datums", "time_step")
+            "td/fresh_states", "td/store_size", "actor/datums", "critic/datums",
+            "critic/replayed", "time_step")
     section = {
         "command": " ".join(["python", *sys.argv]),
         "start": {"checkpoint": start, "made_by": options.sft_command},
@@ -442,7 +445,7 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
             "warmup_updates", "td_updates", "batch_size", "horizon", "branches",
             "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
             "critic_max_tokens", "critic_loss", "critic_temperature", "critic_readout",
-            "learning_rate", "lora_rank", "cut_continues", "seed")},
+            "critic_replay", "learning_rate", "lora_rank", "cut_continues", "seed")},
         "warmup": pooled_critic(warmup),
         "after_warmup": pooled_critic(td),
         "per_update": [{k: row.get(k) for k in kept} for row in history],

@@ -135,11 +135,17 @@ def critic_messages(
             answer = _clip(_flat(turn[1].get("content")), OBSERVATION_CHARS, keep_tail=False)
             lines.append(f"Result: {answer}")
     secrets = {k: v for k, v in privileged.items() if k not in HIDDEN_PRIVILEGED}
+    # The privileged information comes after the history, next to the question: a critic
+    # mostly compares the two (is the reference answer already in what the agent read?),
+    # and a small model learns that more readily with the reference last. Measured on
+    # Search-v0 (bench_critic's states, one epoch of cross-entropy at lr 1e-4), the value
+    # token's correlation with the target reached 0.62 this way, 0.40 the other way round.
     user = (
         f"## Task\n{_clip(task, TASK_CHARS, keep_tail=False)}\n\n"
-        f"## Privileged information\n{_clip(_format(secrets), PRIVILEGED_CHARS, keep_tail=False)}"
-        f"\n\n## History ({len(turns)} turns so far)\n"
+        f"## History ({len(turns)} turns so far)\n"
         + ("\n".join(lines) if lines else "(nothing yet)")
+        + "\n\n## Privileged information\n"
+        + _clip(_format(secrets), PRIVILEGED_CHARS, keep_tail=False)
         + f"\n\nHow much reward (0 to {_number(r_max)}) will the agent still collect?"
     )
     # Two anchors, not one example: SmolLM2 copied a single example value into every

@@ -69,7 +69,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +145,11 @@ class Args(RunArgs):
         "sampled replies) or median (the median of the critic's distribution over the "
         "replies stating 0, R_max/4, ..., R_max, each scored: what absolute error asks for; "
         "the critic's accuracy metrics are then this value's)", READOUTS)
+    critic_replay: int = option(
+        0, "under --critic-loss cross_entropy, warm-up states retrained in every later "
+        "update (their target replies, drawn anew each update from all earlier warm-up "
+        "updates): the critic sees each Monte Carlo target several times at no rollout "
+        "cost. Not saved with checkpoints: a resumed run refills it from its own warm-up")
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -171,6 +176,10 @@ class Args(RunArgs):
              "--critic-temperature must be 1 under --critic-loss reward: its samples train "
              "by the policy loss, which scores them untempered"),
             (not 0 <= self.critic_temperature <= 2, "--critic-temperature must be in [0, 2]"),
+            (self.critic_replay < 0, "--critic-replay must be >= 0"),
+            (self.critic_replay > 0 and self.critic_loss != "cross_entropy",
+             "--critic-replay retrains target replies by cross-entropy: it needs "
+             "--critic-loss cross_entropy"),
             (self.critic_loss == "cross_entropy" and not self.critic_target_reply,
              "--critic-loss cross_entropy trains the target's reply: drop "
              "--no-critic-target-reply"),
@@ -239,6 +248,8 @@ class Tempo:
     critic: Critic
     full: RolloutConfig  # warm-up: whole episodes
     macro: RolloutConfig  # TD: H turns
+    # warm-up's cross-entropy critic datums and their targets, retrained by --critic-replay
+    replay: list[tuple[Datum, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -331,11 +342,15 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
     datums, supervised, metrics = critic_fit(
         samples, targets, args, await _target_replies(tempo, sampler, prompts, targets),
         await _estimates(tempo, sampler, prompts))
+    replayed = replay(tempo.replay, args.critic_replay, targets, rng)
+    if args.critic_replay:  # cross-entropy: one supervised datum per state
+        tempo.replay.extend(zip(supervised, targets, strict=True))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
     metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
-                "critic/parse_failure_rate": _failure_rate(flat)}
-    return Batch(datums, supervised, metrics, states)
+                "critic/parse_failure_rate": _failure_rate(flat),
+                "critic/replayed": len(replayed)}
+    return Batch(datums, supervised + replayed, metrics, states)
 
 
 def monte_carlo_targets(
@@ -427,6 +442,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         await _target_replies(tempo, sampler, start_prompts, targets),
         await _estimates(tempo, sampler, start_prompts))
     datums += critic_datums
+    replayed = replay(tempo.replay, args.critic_replay, targets, rng)
 
     # ---- where branches stopped at the horizon with room to go on: new states
     states = [
@@ -444,6 +460,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         "actor/degenerate_group_rate": degenerate / len(groups),
         "actor/return_mean": float(np.mean(targets)),
         "actor/datums": actor_datums,
+        "critic/replayed": len(replayed),
         "td/fresh_states": fresh,
         "td/restored_states": len(restored),
         "td/stale_dropped": stale,
@@ -451,7 +468,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         "is/clip_rate": float(np.mean(clipped[: len(restored)]))
         if restored and args.prefix_is else None,
     }
-    return Batch(datums, supervised, metrics, states)
+    return Batch(datums, supervised + replayed, metrics, states)
 
 
 # --------------------------------------------------------------------- shared pieces
@@ -467,6 +484,39 @@ def actor_update(
     datums = [build_datum(e.sequence, float(a * weight))
               for e, a in zip(group, advantages, strict=True) if e.turns]
     return datums, float(returns.mean())
+
+
+def replay(
+    pool: Sequence[tuple[Datum, float]], count: int, targets: Sequence[float],
+    rng: np.random.Generator,
+) -> list[Datum]:
+    """``count`` of the earlier warm-up critic datums in ``pool`` (``--critic-replay``),
+    drawn so that with this update's own ``targets`` the update fits targets distributed
+    as all of the pool's.
+
+    Warm-up finds a few states per update and fits each once; a critic fitted on ~100
+    states once each settles on their mean, not on what tells them apart. A cross-entropy
+    datum needs no fresh logprobs, so an old state trains again for a forward-backward.
+    The draw is stratified by target because one update's few states are mostly one
+    outcome or the other, and fitting them swings the critic's overall level (on Search-v0
+    it answered 0, then 1, then 0.5 everywhere): the level moved more between updates than
+    the value between the states of one. Each target value gets its share of the update's
+    datums (less what the update holds already); leftover places are drawn at random."""
+    count = min(count, len(pool))
+    if not count:  # no draw: a run without replay keeps its random stream
+        return []
+    by_target: dict[float, list[int]] = {}
+    for index, (_, target) in enumerate(pool):
+        by_target.setdefault(target, []).append(index)
+    total = count + len(targets)
+    chosen: list[int] = []
+    for target, indices in sorted(by_target.items()):
+        share = round(total * len(indices) / len(pool)) - sum(t == target for t in targets)
+        take = min(max(share, 0), len(indices), count - len(chosen))
+        chosen += [int(i) for i in rng.choice(indices, take, replace=False)]
+    rest = np.setdiff1d(np.arange(len(pool)), chosen)
+    chosen += [int(i) for i in rng.choice(rest, count - len(chosen), replace=False)]
+    return [pool[i][0] for i in sorted(chosen)]
 
 
 def best_constant_error(per_state: Sequence[Sequence[float | int | None]]) -> float | None:

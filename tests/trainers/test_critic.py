@@ -74,6 +74,9 @@ def test_critic_prompt_shows_privileged_info_and_condenses_history() -> None:
     assert "go to place 29" in text and "You arrive at place 29" in text  # tail / head kept
     assert "go to place 3 " not in text
     assert len(text) < 9000  # bounded whatever the episode's length
+    # the reference last, next to the question: what the critic compares the history with
+    assert text.index("You arrive at place 29") < text.index("go to mug 1") < text.index(
+        "How much reward")
 
 
 def test_critic_samples_values_and_counts_cut_replies_as_failures(sampler: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
+import numpy as np
 import pytest
 
 from tests.helpers import grpo_toy, tempo_toy
@@ -33,6 +34,7 @@ from trainers.tempo import (
     monte_carlo_targets,
     parse_args,
     prefix_weight,
+    replay,
     train,
     value_corr,
     value_gap_zero_reward,
@@ -316,6 +318,35 @@ def test_a_cross_entropy_critic_trains_in_the_same_update(
                 for call in ([("forward_backward", row["datums"])] if row["datums"] else [])
                 + [("forward_backward", row["supervised_datums"]), ("optim_step", 0)]]
     assert service.calls == expected
+
+
+def test_critic_replay_retrains_earlier_warmup_states_every_later_update(
+    model: str, tmp_path: Path
+) -> None:
+    service = CountingService()
+    history = train(toy_args(model, tmp_path, critic_loss="cross_entropy", warmup_updates=3,
+                             td_updates=2, critic_temperature=0.0, critic_replay=3), service)
+    warm = [row["critic/states"] for row in history if row["phase"] == "warmup"]
+    for step, row in enumerate(history):
+        pool = sum(warm[:step])  # warm-up states fitted before this update
+        assert row["critic/replayed"] == min(3, pool)
+        assert row["supervised_datums"] == row["critic/datums"] + row["critic/replayed"]
+    assert history[-1]["critic/replayed"] == 3
+    with pytest.raises(SystemExit):  # the reward rule has no target replies to replay
+        parse_args(["--critic-replay", "2"])
+
+
+def test_replay_draws_so_the_update_fits_the_pools_mix_of_targets() -> None:
+    pool = [(f"zero {i}", 0.0) for i in range(6)] + [("one 0", 1.0), ("one 1", 1.0)]
+    rng = np.random.default_rng(0)
+    # this update found two ones: the pool's mix (a quarter ones) over 6 datums asks for
+    # 4.5 -> 4 zeros and 1.5 -> 2 ones, which it holds already, so 4 zeros are replayed
+    assert all(d.startswith("zero") for d in replay(pool, 4, [1.0, 1.0], rng))
+    # found zeros: both ones come back, the rest are zeros
+    assert sum(d.startswith("one") for d in replay(pool, 3, [0.0] * 5, rng)) == 2
+    # leftover places are drawn at random, never twice; a larger count is the whole pool
+    assert sorted(replay(pool, 20, [], rng)) == sorted(d for d, _ in pool)
+    assert replay([], 4, [0.0], rng) == [] and replay(pool, 0, [0.0], rng) == []
 
 
 def test_resume_continues_weights_store_and_metrics(model: str, tmp_path: Path) -> None:
