@@ -36,8 +36,11 @@ Before the TD updates, ``warmup_updates`` updates train the critic
 alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
 2H, ... with target = the reward the episode still collected after that turn, and at each
 task's opening (where fresh TD groups start) with target = the mean return of its N
-episodes. Every update sends its actor and critic datums in one ``forward_backward`` and
-takes one ``optim_step``.
+episodes. ``--critic-replay R`` (cross-entropy only) sends R earlier warm-up critic datums
+again with every later update, drawn so the update's targets are mixed as all of
+warm-up's (``replay``): a few states a step, each fitted once, leave a small critic at
+their mean, swinging with each update's mix. Every update sends its actor and critic
+datums in one ``forward_backward`` and takes one ``optim_step``.
 
 Cut replies. A reply cut by ``--max-tokens`` ends a rollout's episode by default (it is
 never shown to the env). For a small model at a CPU reply budget most replies are cut, so
