@@ -77,15 +77,25 @@ load 1), so that most TD targets are real outcomes rather than the critic's own 
 parse 100%, abs error 0.107 against 0.095 for one constant, correlation 0.01: not below
 either. That run is the results file's ``tempo_reward_rule`` section. Whether the critic
 can learn these values at all, without TEMPO around it: ``bench_critic.py``.
-The results file's ``tempo`` section: from a 3-epoch SFT checkpoint, ``--tempo-warmup 20
+Without replay (``--tempo-warmup 20 --tempo-td 8 ... --tempo-learning-rate 3e-4
+--tempo-critic-readout median``, the critic's reference before the history): below the
+constant in one run of three (``tempo-median-seed0.json``: 0.258 against 0.328), not in
+two replicates with ``--tempo-seed 1`` and ``2`` and 16 TD updates
+(``tempo-median-seed1.json``, ``-seed2``); pooled (``tempo-median-pooled.json``) 0.358
+against 0.338, gain interval [-0.07, 0.03]. The critic's level swung between 0, 0.5 and 1
+from one update to the next.
+The results file's ``tempo`` section: the same checkpoint, ``--tempo-warmup 24
 --tempo-td 8 --tempo-batch-size 4 --tempo-branches 4 --tempo-critic-samples 2
---tempo-endpoint-samples 1 --tempo-horizon 2 --tempo-learning-rate 3e-4
+--tempo-endpoint-samples 1 --tempo-horizon 2 --tempo-learning-rate 2e-4
 --tempo-critic-loss cross_entropy --tempo-critic-temperature 0 --tempo-critic-readout
-median`` (37 min, load 0.6-1.8): after warm-up parse 64/64, abs error 0.258 against 0.328
-for one constant (32 states), correlation 0.44: below. Not so in two replicates with
-``--tempo-seed 1`` and ``2`` and 16 TD updates (``tempo-median-seed1.json``, ``-seed2``:
-0.339 against 0.312 and 0.427 against 0.356, 64 states each); pooled over the three runs
-(``tempo_pooled``) 0.358 against 0.338, gain interval [-0.07, 0.03].
+median --tempo-critic-replay 8`` (56 min; three runs, and for 13 min a test run, on the
+2 cores, load 1.8-3.9): after warm-up parse 64/64, abs error 0.320 against 0.391 for one
+constant (32 states), correlation 0.42. Replicates ``--tempo-seed 1`` and ``2``
+(``tempo-replay-seed1.json``, ``-seed2``): 0.230 against 0.297 and 0.332 against 0.371,
+correlation 0.51 and 0.40.
+Pooled (``tempo_pooled``, 96 states): 0.294 against 0.375, correlation 0.46, per-state
+gain interval [0.010, 0.154]: below the constant in every run, the pool's interval
+above 0 (each run's alone spans 0).
 """
 
 from __future__ import annotations
