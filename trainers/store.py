@@ -17,6 +17,10 @@ The store fixes the seed lab's pool, which was sampled with replacement and neve
 * stale states are dropped: a state reached by a policy more than ``staleness`` versions
   older than the current one no longer says where the current policy goes;
 * it is saved with every checkpoint (JSON) and restored on resume.
+
+The store also keeps warm-up's critic demonstrations (``critic_replay``: the replies that
+state each Monte Carlo target, with the target), which ``--critic-replay`` trains again in
+later updates: saved with the states, a resumed run replays what the killed one would have.
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class StateStore:
         self.capacity = capacity
         self.staleness = staleness
         self._states: deque[ResumePoint] = deque()
+        self.critic_replay: list[tuple[TokenSequence, float]] = []
 
     def __len__(self) -> int:
         return len(self._states)
@@ -134,6 +139,8 @@ class StateStore:
         return json.dumps({
             "version": STORE_FORMAT_VERSION,
             "states": [state.to_dict() for state in self._states],
+            "critic_replay": [{"sequence": sequence.to_dict(), "target": target}
+                              for sequence, target in self.critic_replay],
         })
 
     @classmethod
@@ -162,4 +169,17 @@ class StateStore:
             store.add(ResumePoint.from_dict(item) for item in payload["states"])
         except DatumError as err:
             raise StoreError(f"the saved store holds a bad state: {err}") from err
+        replay = payload.get("critic_replay", [])  # absent in stores saved before replay
+        if not (isinstance(replay, list) and all(
+            isinstance(item, dict) and set(item) == {"sequence", "target"}
+            and isinstance(item["target"], int | float) and math.isfinite(item["target"])
+            for item in replay
+        )):
+            raise StoreError("the saved store's critic replay must be a list of "
+                             "{sequence, target} objects with finite targets")
+        try:
+            store.critic_replay = [(TokenSequence.from_dict(item["sequence"]),
+                                    float(item["target"])) for item in replay]
+        except DatumError as err:
+            raise StoreError(f"the saved store's critic replay is bad: {err}") from err
         return store

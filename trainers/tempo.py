@@ -73,14 +73,21 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from pytrio import Datum, ModelInput
 
 from trainers.critic import READOUTS, Critic, CriticSample, critic_rewards, gather_values
-from trainers.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
+from trainers.episode import (
+    Episode,
+    ResumePoint,
+    TokenSequence,
+    build_datum,
+    cross_entropy_datum,
+)
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
 from trainers.run import (
     OUT_HELP,
@@ -153,8 +160,7 @@ class Args(RunArgs):
         0, "under --critic-loss cross_entropy, warm-up states retrained in every later "
         "update (their target replies, drawn anew each update from all earlier warm-up "
         "updates, stratified by target): the critic sees each Monte Carlo target several "
-        "times at no rollout cost. Not saved with checkpoints: a run resumed after its "
-        "warm-up has nothing to replay")
+        "times at no rollout cost (saved with the state store)")
     cut_continues: bool = option(
         True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
         "the cut ends the episode, worth its reward so far)")
@@ -253,8 +259,9 @@ class Tempo:
     critic: Critic
     full: RolloutConfig  # warm-up: whole episodes
     macro: RolloutConfig  # TD: H turns
-    # warm-up's cross-entropy critic datums and their targets, retrained by --critic-replay
-    replay: list[tuple[Datum, float]] = field(default_factory=list)
+    # warm-up's critic target replies and their targets, retrained by --critic-replay: the
+    # store's list, saved with it
+    replay: list[tuple[TokenSequence, float]]
 
 
 @dataclass
@@ -291,6 +298,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                    temperature=args.critic_temperature, readout=args.critic_readout),
             full=RolloutConfig(max_turns=run.max_turns, **budgets),
             macro=RolloutConfig(max_turns=args.horizon, **budgets),
+            replay=store.critic_replay,
         )
         for step in run.progress():
             t0 = time.perf_counter()
@@ -344,12 +352,14 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
         for i, prompt in zip(chosen, prompts, strict=True)
     ))
     targets = [asked[i][2] for i in chosen]
+    replies = await _target_replies(tempo, sampler, prompts, targets)
     datums, supervised, metrics = critic_fit(
-        samples, targets, args, await _target_replies(tempo, sampler, prompts, targets),
-        await _estimates(tempo, sampler, prompts))
-    replayed = replay(tempo.replay, args.critic_replay, targets, rng)
-    if args.critic_replay:  # cross-entropy: one supervised datum per state
-        tempo.replay.extend(zip(supervised, targets, strict=True))
+        samples, targets, args, replies, await _estimates(tempo, sampler, prompts))
+    replayed = [cross_entropy_datum(sequence)
+                for sequence in replay(tempo.replay, args.critic_replay, targets, rng)]
+    if args.critic_replay:  # cross-entropy: one target reply per state
+        tempo.replay.extend((reply.sequence, target)
+                            for reply, target in zip(replies, targets, strict=True))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
     metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
@@ -447,7 +457,8 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         await _target_replies(tempo, sampler, start_prompts, targets),
         await _estimates(tempo, sampler, start_prompts))
     datums += critic_datums
-    replayed = replay(tempo.replay, args.critic_replay, targets, rng)
+    replayed = [cross_entropy_datum(sequence)
+                for sequence in replay(tempo.replay, args.critic_replay, targets, rng)]
 
     # ---- where branches stopped at the horizon with room to go on: new states
     states = [
@@ -477,6 +488,9 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
 
 
 # --------------------------------------------------------------------- shared pieces
+Item = TypeVar("Item")
+
+
 def actor_update(
     group: Sequence[Episode], end_values: Sequence[float], weight: float
 ) -> tuple[list[Datum] | None, float]:
@@ -492,12 +506,12 @@ def actor_update(
 
 
 def replay(
-    pool: Sequence[tuple[Datum, float]], count: int, targets: Sequence[float],
+    pool: Sequence[tuple[Item, float]], count: int, targets: Sequence[float],
     rng: np.random.Generator,
-) -> list[Datum]:
-    """``count`` of the earlier warm-up critic datums in ``pool`` (``--critic-replay``),
-    drawn so that with this update's own ``targets`` the update fits targets distributed
-    as all of the pool's.
+) -> list[Item]:
+    """``count`` of the earlier warm-up critic replies in ``pool`` (``--critic-replay``;
+    each with its target), drawn so that with this update's own ``targets`` the update
+    fits targets distributed as all of the pool's.
 
     Warm-up finds a few states per update and fits each once; a critic fitted on ~100
     states once each settles on their mean, not on what tells them apart. A cross-entropy

@@ -80,6 +80,25 @@ def test_store_round_trips_through_json_and_rejects_bad_files() -> None:
         StateStore.from_json(json.dumps(broken), 5, 3)
 
 
+def test_the_critic_replay_is_saved_with_the_store_and_checked_on_load() -> None:
+    store = StateStore(capacity=5, staleness=3)
+    reply = TokenSequence((1, 2)).extend([1, 2], [3, 4], [-0.5, -0.1])
+    store.critic_replay += [(reply, 1.0), (reply, 0.25)]
+    again = StateStore.from_json(store.to_json(), capacity=5, staleness=3)
+    assert again.critic_replay == store.critic_replay
+    older = json.loads(store.to_json())
+    del older["critic_replay"]  # a store saved before replay existed
+    assert StateStore.from_json(json.dumps(older), 5, 3).critic_replay == []
+    for bad in ([{"sequence": reply.to_dict(), "target": float("nan")}],
+                [{"sequence": reply.to_dict()}], {"sequence": []}):
+        with pytest.raises(StoreError, match="critic replay must be"):
+            StateStore.from_json(json.dumps(older | {"critic_replay": bad}), 5, 3)
+    hostile = reply.to_dict() | {"spans": [{"start": 9, "logprobs": [-1.0]}]}
+    with pytest.raises(StoreError, match="critic replay is bad"):
+        StateStore.from_json(json.dumps(older | {"critic_replay": [
+            {"sequence": hostile, "target": 1.0}]}), 5, 3)
+
+
 def test_a_version_1_store_is_refused_with_a_clear_error() -> None:
     old = {"version": 1, "states": [{"state": {}, "tokens": [1], "sampled": [[0, 1]],
                                      "old_logprob_sum": -1.0}]}

@@ -334,6 +334,14 @@ def test_critic_replay_retrains_earlier_warmup_states_every_later_update(
     assert history[-1]["critic/replayed"] == 3
     with pytest.raises(SystemExit):  # the reward rule has no target replies to replay
         parse_args(["--critic-replay", "2"])
+    # killed after the warm-up and resumed: the pool comes back with the store
+    killed = tmp_path / "killed"
+    settings = {"critic_loss": "cross_entropy", "warmup_updates": 2, "critic_temperature": 0.0,
+                "critic_replay": 50}
+    first = train(toy_args(model, killed, td_updates=0, **settings))
+    pool = sum(row["critic/states"] for row in first)
+    resumed = train(toy_args(model, killed, td_updates=1, **settings))
+    assert [row["step"] for row in resumed] == [2] and resumed[0]["critic/replayed"] == pool
 
 
 def test_replay_draws_so_the_update_fits_the_pools_mix_of_targets() -> None:
