@@ -363,7 +363,7 @@ def bench_scoring(service: LocalServiceClient, states: int = 8) -> dict[str, Any
         start = time.perf_counter()
         medians[label] = asyncio.run(readout())
         out[label] = {"seconds": round(time.perf_counter() - start, 2),
-                      "positions_reused": sampler.scored_reused_tokens}
+                      "positions_reused": sampler.stats.scored_reused_tokens}
     out["same_medians"] = medians["with_cache"] == medians["without_cache"]
     out["ratio_without_vs_with"] = round(
         out["without_cache"]["seconds"] / out["with_cache"]["seconds"], 2)

@@ -81,13 +81,7 @@ import numpy as np
 from pytrio import Datum, ModelInput
 
 from trainers.critic import READOUTS, Critic, CriticSample, critic_rewards, gather_values
-from trainers.episode import (
-    Episode,
-    ResumePoint,
-    TokenSequence,
-    build_datum,
-    cross_entropy_datum,
-)
+from trainers.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
 from trainers.rollout import RolloutConfig, rollout_groups, rollout_metrics
 from trainers.run import (
     OUT_HELP,
@@ -259,9 +253,6 @@ class Tempo:
     critic: Critic
     full: RolloutConfig  # warm-up: whole episodes
     macro: RolloutConfig  # TD: H turns
-    # warm-up's critic target replies and their targets, retrained by --critic-replay: the
-    # store's list, saved with it
-    replay: list[tuple[TokenSequence, float]]
 
 
 @dataclass
@@ -298,7 +289,6 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                    temperature=args.critic_temperature, readout=args.critic_readout),
             full=RolloutConfig(max_turns=run.max_turns, **budgets),
             macro=RolloutConfig(max_turns=args.horizon, **budgets),
-            replay=store.critic_replay,
         )
         for step in run.progress():
             t0 = time.perf_counter()
@@ -306,7 +296,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             sampler = run.training.save_weights_and_get_sampling_client()
             warmup = step < args.warmup_updates
             if warmup:
-                batch = asyncio.run(warmup_batch(tempo, sampler, step))
+                batch = asyncio.run(warmup_batch(tempo, sampler, step, store))
             else:
                 batch = asyncio.run(td_batch(tempo, sampler, step, store))
             t1 = time.perf_counter()
@@ -328,7 +318,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
 
 
 # --------------------------------------------------------------------- warm-up
-async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
+async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore) -> Batch:
     """Full episodes; the critic learns the Monte Carlo return at the openings and at turns
     H, 2H, ..."""
     run, args, rng = tempo.run, tempo.args, tempo.run.rng(step)
@@ -355,11 +345,10 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int) -> Batch:
     replies = await _target_replies(tempo, sampler, prompts, targets)
     datums, supervised, metrics = critic_fit(
         samples, targets, args, replies, await _estimates(tempo, sampler, prompts))
-    replayed = [cross_entropy_datum(sequence)
-                for sequence in replay(tempo.replay, args.critic_replay, targets, rng)]
-    if args.critic_replay:  # cross-entropy: one target reply per state
-        tempo.replay.extend((reply.sequence, target)
-                            for reply, target in zip(replies, targets, strict=True))
+    replayed = _replayed(store, args, targets, rng)
+    if args.critic_replay:  # cross-entropy: one target reply per state, kept with the store
+        store.critic_replay.extend((reply.sequence, target)
+                                   for reply, target in zip(replies, targets, strict=True))
     metrics |= rollout_metrics(episodes)
     flat = [s for group in samples for s in group]
     metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
@@ -457,8 +446,7 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         await _target_replies(tempo, sampler, start_prompts, targets),
         await _estimates(tempo, sampler, start_prompts))
     datums += critic_datums
-    replayed = [cross_entropy_datum(sequence)
-                for sequence in replay(tempo.replay, args.critic_replay, targets, rng)]
+    replayed = _replayed(store, args, targets, rng)
 
     # ---- where branches stopped at the horizon with room to go on: new states
     states = [
@@ -630,6 +618,14 @@ def critic_fit(
     supervised = [cross_entropy_datum(reply.sequence) for reply in target_replies]
     return [], supervised, metrics | {"critic/datums": len(supervised),
                                       "critic/degenerate_group_rate": None}
+
+
+def _replayed(
+    store: StateStore, args: Args, targets: Sequence[float], rng: np.random.Generator
+) -> list[Datum]:
+    """This update's ``--critic-replay`` datums, beside its own ``targets``."""
+    return [cross_entropy_datum(sequence)
+            for sequence in replay(store.critic_replay, args.critic_replay, targets, rng)]
 
 
 def _critic_prompt(tempo: Tempo, state: ResumePoint) -> list[int]:

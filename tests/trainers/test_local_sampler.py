@@ -303,8 +303,8 @@ def test_compute_logprobs_reuses_a_scored_prefix_and_scores_as_a_fresh_forward(
     # Each call's longest common prefix with an earlier one: none, prompt + [3], prompt,
     # prompt + [3, 4]. Its last position runs again, so one less is reused.
     shared = [len(prompt) + 1, len(prompt), len(prompt) + 2]
-    assert cached.scored_reused_tokens == sum(shared) - len(shared)
+    assert cached.stats.scored_reused_tokens == sum(shared) - len(shared)
     again = ModelInput.from_ints(prompt + replies[1])  # scored before: read back, exactly
     assert cached.compute_logprobs(again).result() == cached.compute_logprobs(again).result()
-    assert cached.scored_reused_tokens == sum(shared) - len(shared) + 2 * len(prompt + replies[1])
-    assert fresh.scored_reused_tokens == 0
+    assert cached.stats.scored_reused_tokens == sum(shared) - len(shared) + 2 * len(prompt + replies[1])
+    assert fresh.stats.scored_reused_tokens == 0

@@ -99,6 +99,7 @@ class EngineStats:
 
     prefill_tokens: int = 0  # tokens run through the model to build prompts' keys/values
     reused_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    scored_reused_tokens: int = 0  # compute_logprobs positions read from its own cache
     decode_steps: int = 0
     decoded_rows: int = 0  # sum over steps of rows in the batch
     max_batch_rows: int = 0

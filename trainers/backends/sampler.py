@@ -93,7 +93,6 @@ class LocalSamplingClient:
             prefix_cache=PrefixCache(kv_cache_bytes),
         )
         self._scored = PrefixCache(kv_cache_bytes)
-        self.scored_reused_tokens = 0  # compute_logprobs positions read from that cache
 
     @property
     def stats(self) -> EngineStats:
@@ -245,7 +244,7 @@ class LocalSamplingClient:
         before (or a prefix of one) runs nothing and gets the very same logprobs."""
         entry, shared = self._scored.longest_prefix(tokens, limit=len(tokens))
         if entry is not None and shared == len(tokens):  # scored before, as a whole or a part
-            self.scored_reused_tokens += shared
+            self.stats.scored_reused_tokens += shared
             return [None, *entry.logprobs[1:shared].tolist()]
         start = max(shared - 1, 0) if entry is not None else 0
         past = DynamicCache(ddp_cache_data=entry.cropped(start)) if start else DynamicCache()
@@ -260,5 +259,5 @@ class LocalSamplingClient:
         if self._scored.max_bytes:
             self._scored.put(tokens, tuple((layer.keys, layer.values)
                                            for layer in out.cache.layers), logprobs)
-        self.scored_reused_tokens += start
+        self.stats.scored_reused_tokens += start
         return [None, *logprobs[1:].tolist()]
