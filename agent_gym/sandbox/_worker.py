@@ -162,17 +162,53 @@ def _cpu_budget_for_next_cell(seconds: int) -> None:
 
 def _print_exception(exc: BaseException, name: str, code: str, skip_frame: bool) -> None:
     """Print a traceback that starts in the cell and quotes its lines (imported lazily: the
-    traceback machinery costs a few ms of every start, and most cells never need it)."""
-    import contextlib
-    import linecache
-    import traceback
+    traceback machinery costs a few ms of every start, and most cells never need it).
 
-    linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+    Printing must never kill the worker, or the cell's own error is lost: after a
+    ``MemoryError`` the cell's data still fills the address-space limit, so importing
+    ``traceback`` can fail too, and a cell may have poisoned ``sys.modules``. Then a plain
+    traceback is built from the frames by hand, with no import.
+    """
     tb = exc.__traceback__
     if skip_frame and tb is not None:
         tb = tb.tb_next  # the worker's own exec() frame
-    with contextlib.suppress(Exception):  # stderr may be full; the status still tells
-        traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    try:
+        import contextlib
+        import linecache
+        import traceback
+
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
+        with contextlib.suppress(Exception):  # stderr may be full; the status still tells
+            traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
+    except BaseException:  # anything raised here would end the worker
+        _print_bare_exception(exc, tb, name, code)
+
+
+def _print_bare_exception(exc: BaseException, tb: object, name: str, code: str) -> None:
+    """The traceback without the ``traceback`` module; if even this fails, the name alone."""
+    try:
+        lines = ["Traceback (most recent call last):\n"]
+        while tb is not None:
+            frame_code = tb.tb_frame.f_code
+            where = f"line {tb.tb_lineno}, in {frame_code.co_name}"
+            lines.append(f'  File "{frame_code.co_filename}", {where}\n')
+            if frame_code.co_filename == name:
+                source = code.splitlines()
+                if 0 < tb.tb_lineno <= len(source):
+                    lines.append(f"    {source[tb.tb_lineno - 1].strip()}\n")
+            tb = tb.tb_next
+        try:
+            message = str(exc)
+        except BaseException:  # a cell's own __str__ may raise
+            message = ""
+        lines.append(f"{type(exc).__name__}: {message}\n" if message else f"{type(exc).__name__}\n")
+        sys.stderr.write("".join(lines))
+        sys.stderr.flush()
+    except BaseException:
+        try:  # noqa: SIM105 (no contextlib here: its import may be what failed)
+            os.write(2, type(exc).__name__.encode() + b"\n")
+        except BaseException:  # stderr is gone; the status line still tells
+            pass
 
 
 def _run_cell(code: str, namespace: dict, index: int) -> tuple[str, str]:

@@ -238,9 +238,24 @@ def test_fork_bomb_is_contained_and_other_sandboxes_keep_working(
     assert neighbour.ok and neighbour.stdout == "still fine\n"
 
 
-def test_memory_hog_gets_memory_error(sandbox: StatelessSandbox) -> None:
-    result = sandbox.run("chunks = []\nwhile True:\n    chunks.append(bytearray(20 << 20))")
+@pytest.mark.parametrize("chunk", [20 << 20, 4 << 10], ids=["20MiB", "4KiB"])
+def test_memory_hog_gets_memory_error(sandbox: StatelessSandbox, chunk: int) -> None:
+    """Small chunks fill the limit to within a few KB, so even the error's report must be
+    printed without importing anything (the per-call worker has no traceback module yet)."""
+    result = sandbox.run(f"chunks = []\nwhile True:\n    chunks.append(bytearray({chunk}))")
     assert result.error == "MemoryError", result.observation()
+
+
+def test_an_error_is_reported_when_its_traceback_cannot_be_printed(
+    sandbox: StatelessSandbox,
+) -> None:
+    """The traceback module may be out of reach (memory full, or poisoned as here): the
+    worker must survive to report the cell's own error, with the failing line quoted."""
+    code = "import sys\nsys.modules['traceback'] = None\nraise ValueError('the cell failed')"
+    result = sandbox.run(code)
+    assert result.error == "ValueError", result.observation()
+    assert "ValueError: the cell failed" in result.stderr
+    assert "raise ValueError('the cell failed')" in result.stderr
 
 
 def test_endless_output_is_capped_and_the_tail_kept(sandbox: StatelessSandbox) -> None:
