@@ -19,6 +19,8 @@
 - scoring: TEMPO's median readout (``Critic.median``: five replies of a few tokens scored
   after one critic prompt) on the critic prompts of 8 Search-v0 openings, with
   ``compute_logprobs``'s prefix cache and without it: seconds and positions run.
+- tempo: whole TEMPO updates (one warm-up, two TD; Search-v0, base model, median readout)
+  with that cache and without it: the seconds of each update, and the TD updates' ratio.
 - learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
   time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
   process) of the new pass, without and with ``activation_checkpointing``, against the
@@ -32,7 +34,7 @@
 Everything runs on one torch thread (this machine is shared; see runtime.default_threads).
 
     python benchmarks/bench_local_backend.py [--out benchmarks/results/local_backend.json]
-        [--sections rollouts,prefill,scoring,learner,grpo] [--max-tokens 48]
+        [--sections rollouts,prefill,scoring,tempo,learner,grpo] [--max-tokens 48]
 """
 
 from __future__ import annotations
@@ -355,7 +357,7 @@ def bench_scoring(service: LocalServiceClient, states: int = 8) -> dict[str, Any
     medians = {}
     for label, cache_bytes in (("with_cache", 1 << 30), ("without_cache", 0)):
         sampler = LocalSamplingClient(base.model, base.tokenizer, "smollm2",
-                                      kv_cache_bytes=cache_bytes)
+                                      scoring_cache_bytes=cache_bytes)
 
         async def readout(client: LocalSamplingClient = sampler) -> list[float]:
             return list(await asyncio.gather(*(critic.median(client, p) for p in prompts)))
@@ -367,6 +369,37 @@ def bench_scoring(service: LocalServiceClient, states: int = 8) -> dict[str, Any
     out["same_medians"] = medians["with_cache"] == medians["without_cache"]
     out["ratio_without_vs_with"] = round(
         out["without_cache"]["seconds"] / out["with_cache"]["seconds"], 2)
+    return out
+
+
+def bench_tempo(updates: int = 3) -> dict[str, Any]:
+    """Whole TEMPO updates with the median readout, with the scoring cache and without it:
+    what the cache saves once rollouts and learning are paid too. Both runs have the same
+    seed, but sampling reads logprobs that differ by rounding, so their episodes may part."""
+    from trainers.tempo import Args, train
+
+    settings = {"env_id": "agent_gym/Search-v0", "env_kwargs": {"split": "train", "max_turns": 4},
+                "warmup_updates": 1, "td_updates": updates - 1, "batch_size": 2, "branches": 4,
+                "critic_samples": 2, "endpoint_samples": 1, "horizon": 2,
+                "fresh_fraction": 0.5, "critic_loss": "cross_entropy",
+                "critic_temperature": 0.0, "critic_readout": "median", "max_tokens": 48,
+                "max_trajectory_tokens": 4096, "save_every": 1000}
+    out: dict[str, Any] = {"model": "smollm2 (base)", "settings": settings}
+    for label, scoring_bytes in (("with_cache", None), ("without_cache", 0)):
+        with tempfile.TemporaryDirectory() as tmp:
+            service = LocalServiceClient(checkpoint_dir=Path(tmp) / "ck", device="cpu",
+                                         threads=1, scoring_cache_bytes=scoring_bytes)
+            rows = train(Args(**settings, out=str(Path(tmp) / "run"), progress=False), service)
+        td = [row for row in rows if row.get("phase") == "td"]
+        out[label] = {
+            "update_seconds": [round(row["time_step"], 1) for row in rows],
+            "td_seconds": round(sum(row["time_step"] for row in td), 1),
+            "td_rollout_seconds": round(sum(row["time_rollout"] for row in td), 1),
+            "td_sampled_tokens": sum(row.get("sampled_tokens", 0) for row in td),
+        }
+    out["td_ratio_without_vs_with"] = round(
+        out["without_cache"]["td_seconds"] / out["with_cache"]["td_seconds"], 2)
+    out["load_after"] = load()
     return out
 
 
@@ -548,7 +581,8 @@ def bench_grpo() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/local_backend.json"))
-    parser.add_argument("--sections", default="rollouts,prefill,scoring,learner,grpo")
+    parser.add_argument("--sections",
+                        default="rollouts,prefill,scoring,tempo,learner,grpo")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
     parser.add_argument("--learner-repeats", type=int, default=2)
     parser.add_argument("--learner-variant", choices=LEARNER_VARIANTS, help=argparse.SUPPRESS)
@@ -565,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             "rollouts": lambda: bench_rollouts(service, args.max_tokens),
             "prefill": lambda: bench_prefill(service),
             "scoring": lambda: bench_scoring(service),
+            "tempo": bench_tempo,
             "learner": lambda: bench_learner(args.learner_repeats),
             "grpo": bench_grpo,
         }

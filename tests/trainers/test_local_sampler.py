@@ -119,7 +119,7 @@ def test_a_call_larger_than_the_batch_runs_and_later_calls_wait(
 def test_next_turn_prefills_only_new_tokens_and_samples_the_same(
     service: LocalServiceClient,
 ) -> None:
-    cached, fresh = sampler(service), sampler(service, kv_cache_bytes=0)
+    cached, fresh = sampler(service), sampler(service, scoring_cache_bytes=0)
     prompt = PROMPTS[2]
     params = SamplingParams(max_tokens=6, seed=9)
     first = cached.sample(ModelInput.from_ints(prompt), 1, params).result().sequences[0]
@@ -291,8 +291,9 @@ def test_compute_logprobs_reuses_a_scored_prefix_and_scores_as_a_fresh_forward(
     service: LocalServiceClient,
 ) -> None:
     """Replies scored after one shared prompt (TEMPO's median readout) run the prompt once;
-    every logprob, the prompt's and the replies', is what an uncached client computes."""
-    cached, fresh = sampler(service), sampler(service, kv_cache_bytes=0)
+    every logprob, the prompt's and the replies', is what a client without that cache (but
+    with the sampling one) computes."""
+    cached, fresh = sampler(service), sampler(service, scoring_cache_bytes=0)
     prompt = PROMPTS[2]
     replies = [[3, 4], [3, 5, 6], [8], [3, 4, 9]]
     for reply in replies:

@@ -126,8 +126,8 @@ class LocalServiceClient:
         activation_checkpointing: recompute each decoder layer's activations in the backward
             pass instead of keeping them (``recompute_layers``): the same gradient for a
             third of the peak memory and about 1.4x the learner's time (SmolLM2-135M on a CPU).
-        sampler_max_rows / kv_cache_bytes: each sampler's batch size and prefix-cache memory
-            (see ``LocalSamplingClient``).
+        sampler_max_rows / kv_cache_bytes / scoring_cache_bytes: each sampler's batch size
+            and the memory of its two prefix caches (see ``LocalSamplingClient``).
     """
 
     def __init__(
@@ -141,6 +141,7 @@ class LocalServiceClient:
         activation_checkpointing: bool = False,
         sampler_max_rows: int = DEFAULT_MAX_ROWS,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        scoring_cache_bytes: int | None = None,
     ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir or cache_dir() / "checkpoints")
         self.device = resolve_device(device)
@@ -156,6 +157,7 @@ class LocalServiceClient:
         self.activation_checkpointing = activation_checkpointing
         self.sampler_max_rows = sampler_max_rows
         self.kv_cache_bytes = kv_cache_bytes
+        self.scoring_cache_bytes = scoring_cache_bytes
 
     def make_sampler(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_id: str
@@ -163,7 +165,7 @@ class LocalServiceClient:
         """A sampling client on ``model`` with this service's batching and cache settings."""
         return LocalSamplingClient(
             model, tokenizer, model_id, max_rows=self.sampler_max_rows,
-            kv_cache_bytes=self.kv_cache_bytes,
+            kv_cache_bytes=self.kv_cache_bytes, scoring_cache_bytes=self.scoring_cache_bytes,
         )
 
     def get_supported_models(self) -> list[str]:

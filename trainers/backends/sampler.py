@@ -67,8 +67,10 @@ class LocalSamplingClient:
         max_rows: rows decoded together at most (more wait for room; a single call larger
             than this runs alone).
         kv_cache_bytes: memory for keys/values kept between calls for prefix reuse (0 turns
-            reuse off), as much again for ``compute_logprobs``'s. It lives and dies with
-            this client, i.e. with these weights.
+            reuse off). It lives and dies with this client, i.e. with these weights.
+        scoring_cache_bytes: the same for ``compute_logprobs``'s own prefix cache (keys,
+            values and logprobs of scored prompts); ``None``: as much as ``kv_cache_bytes``,
+            so in the worst case the sampler holds twice that.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class LocalSamplingClient:
         *,
         max_rows: int = DEFAULT_MAX_ROWS,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        scoring_cache_bytes: int | None = None,
     ) -> None:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -92,7 +95,8 @@ class LocalSamplingClient:
             self.model, tokenizer, self.device, max_rows=max_rows,
             prefix_cache=PrefixCache(kv_cache_bytes),
         )
-        self._scored = PrefixCache(kv_cache_bytes)
+        self._scored = PrefixCache(
+            kv_cache_bytes if scoring_cache_bytes is None else scoring_cache_bytes)
 
     @property
     def stats(self) -> EngineStats:
