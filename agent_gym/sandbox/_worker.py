@@ -160,18 +160,20 @@ def _cpu_budget_for_next_cell(seconds: int) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
 
 
-def _print_exception(exc: BaseException, name: str, code: str, skip_frame: bool) -> None:
+def _print_exception(exc: BaseException, name: str, code: str) -> None:
     """Print a traceback that starts in the cell and quotes its lines (imported lazily: the
     traceback machinery costs a few ms of every start, and most cells never need it).
 
     Printing must never kill the worker, or the cell's own error is lost: after a
-    ``MemoryError`` the cell's data still fills the address-space limit, so importing
+    ``MemoryError`` the cell's data may still fill the address-space limit, so importing
     ``traceback`` can fail too, and a cell may have poisoned ``sys.modules``. Then a plain
     traceback is built from the frames by hand, with no import.
     """
+    if isinstance(exc, MemoryError):
+        _release_reserve()
     tb = exc.__traceback__
-    if skip_frame and tb is not None:
-        tb = tb.tb_next  # the worker's own exec() frame
+    if tb is not None:
+        tb = tb.tb_next  # the worker's own frame (_run_cell)
     try:
         import contextlib
         import linecache
@@ -220,12 +222,12 @@ def _run_cell(code: str, namespace: dict, index: int) -> tuple[str, str]:
     name = f"<cell-{index}>"
     try:
         tree = compile(code, name, "exec", _ast.PyCF_ONLY_AST)
-    except (SyntaxError, ValueError) as exc:
-        _print_exception(exc, name, code, skip_frame=False)
+        last = None
+        if tree.body and isinstance(tree.body[-1], _ast.Expr):
+            last = _ast.Expression(tree.body.pop().value)
+    except Exception as exc:  # a SyntaxError; a MemoryError when nested too deep or memory is full
+        _print_exception(exc, name, code)
         return "error", type(exc).__name__
-    last = None
-    if tree.body and isinstance(tree.body[-1], _ast.Expr):
-        last = _ast.Expression(tree.body.pop().value)
     try:
         exec(compile(tree, name, "exec"), namespace)
         if last is not None:
@@ -236,9 +238,37 @@ def _run_cell(code: str, namespace: dict, index: int) -> tuple[str, str]:
         print(f"SystemExit: {exc.code}", file=sys.stderr)
         return "error", "SystemExit"
     except BaseException as exc:
-        _print_exception(exc, name, code, skip_frame=True)
+        _print_exception(exc, name, code)
         return "error", type(exc).__name__
     return "ok", ""
+
+
+# A notebook's headroom, address space held back from its cells. A cell that fills the
+# memory limit and keeps what it took (in a global) would otherwise leave no room to report
+# its MemoryError or to compile the next cell, not even the ``del`` that frees it. An
+# anonymous mapping counts against RLIMIT_AS without touching a page, and closing it gives
+# exactly that much back.
+_RESERVE_BYTES = 1 << 20
+_reserve: list = []
+
+
+def _take_reserve() -> None:
+    """Take the headroom (again) once twice that much is free: taking it back when only that
+    much is free would leave the next cell no room again."""
+    if _reserve:
+        return
+    try:
+        import mmap  # a cell may have replaced it in sys.modules: all it breaks is this
+
+        mmap.mmap(-1, 2 * _RESERVE_BYTES).close()
+        _reserve.append(mmap.mmap(-1, _RESERVE_BYTES))
+    except Exception:
+        pass  # still full; the next cell runs without headroom
+
+
+def _release_reserve() -> None:
+    while _reserve:
+        _reserve.pop().close()
 
 
 # ---------------------------------------------------------------- the fork-server
@@ -836,6 +866,8 @@ def main() -> None:
     sys.meta_path.insert(0, _SeedRandomOnImport("random"))
     _fresh_streams()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    if not config["single"]:
+        _take_reserve()
     _send(ctl_out, "ready")
     index = 0
     while True:
@@ -850,6 +882,7 @@ def main() -> None:
         _send(ctl_out, status, error)
         if config["single"]:
             return
+        _take_reserve()
 
 
 if __name__ == "__main__":

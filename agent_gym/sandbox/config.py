@@ -66,7 +66,9 @@ class Limits:
     per call as well (a persistent worker gets that much more CPU time for every cell).
     ``memory_bytes`` is ``RLIMIT_AS`` per process and ``processes`` caps the sandbox's
     process count, so a sandbox can address at most their product. (A fork-server child
-    gets ``memory_bytes`` on top of the warm interpreter's own mappings, which it shares.)
+    gets ``memory_bytes`` on top of the warm interpreter's own mappings, which it shares.
+    A persistent worker keeps 1 MB of it unused, given back when a cell runs out of memory,
+    so that the error is reported and the next cell can free what the last one kept.)
     ``file_bytes`` caps every file the code writes, including its captured stdout and
     stderr; ``output_bytes`` is the tail of each stream that is read back.
     """

@@ -58,6 +58,7 @@ def test_tracebacks_start_in_the_cell_and_quote_it(stateless: StatelessSandbox) 
     assert "_worker" not in result.stderr and "exec(" not in result.stderr
     syntax = stateless.run("def broken(:\n    pass")
     assert syntax.error == "SyntaxError" and "def broken(:" in syntax.stderr
+    assert "_run_cell" not in syntax.stderr and "Traceback" not in syntax.stderr
     assert stateless.run("raise SystemExit(3)").observation() == "SystemExit: 3"
 
 
@@ -110,6 +111,30 @@ def test_notebook_keeps_state_and_survives_memory_error(notebook: StatefulSandbo
     assert notebook.run("math.isqrt(total * total)").stdout == "42\n"
     printed = notebook.run("print('only this cell')")
     assert printed.stdout == "only this cell\n"  # earlier cells' output is not repeated
+
+
+def test_notebook_reports_a_memory_error_while_its_globals_still_fill_memory(
+    notebook: StatefulSandbox,
+) -> None:
+    """The hog's chunks stay in the notebook's globals, so the error is reported with memory
+    full to within 4 KB; the notebook keeps its state and works again once they are freed."""
+    assert notebook.run("kept = 7").ok
+    hog = notebook.run("chunks = []\nwhile True:\n    chunks.append(bytearray(4096))")
+    assert hog.error == "MemoryError" and not hog.state_lost, hog.observation()
+    assert "chunks.append(bytearray(4096))" in hog.stderr  # the full traceback, quoting the cell
+    assert notebook.run("del chunks\nkept * 6").stdout == "42\n"
+
+
+def test_code_nested_too_deep_to_compile_is_an_error_not_a_crash(
+    notebook: StatefulSandbox,
+) -> None:
+    """CPython's parser answers deep nesting with a MemoryError from ``compile``; the
+    notebook reports it as the cell's error and keeps its state."""
+    assert notebook.run("kept = 7").ok
+    for code in ("-" * 200_000 + "1", "1 if 1 else " * 50_000 + "1"):
+        nested = notebook.run(code)
+        assert (nested.status, nested.error, nested.state_lost) == ("error", "MemoryError", False)
+    assert notebook.run("kept * 6").stdout == "42\n"
 
 
 def test_notebook_timeout_and_crash_lose_state_and_say_so(notebook: StatefulSandbox) -> None:
