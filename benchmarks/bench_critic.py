@@ -72,6 +72,11 @@ the cue predictor scores 0.110 against 0.403; the critic after 1 epoch says abou
 everywhere, 0.568 greedy (0 on 80 states, 0.25 on 20). Not an artefact of reading the
 value token by token: the median of its distribution over the five replies scored whole
 is the greedy value on all 100 states. Trained on 58% ones, it puts most mass on "0".
+At lr 3e-4 over all 295 train states it said 0 as well (``critic-sft3-lr3e-4.json``).
+Those runs had the privileged reference before the history in the critic's prompt. With
+it after the history (``critic_messages`` now), that lr 3e-4 run on the same states beat
+the constant (``critic-sft3-lr3e-4-reference-last.json``): median readout 0.348 against
+0.403, gain [0.02, 0.095], correlation 0.26.
 """
 
 from __future__ import annotations
