@@ -242,9 +242,9 @@ def test_fork_bomb_is_contained_and_other_sandboxes_keep_working(
 def test_memory_hog_gets_memory_error(sandbox: StatelessSandbox, chunk: int) -> None:
     """Small chunks fill the limit to within 64 KB, so even the error's report must be
     printed without importing anything (the per-call worker has no traceback module yet).
-    ``bytes(n)`` is calloc'd, so its pages are never touched: the limit is on address space,
-    and faulting in hundreds of MB of pages on a loaded host can take more than the 2 s of
-    CPU time, which would end the cell first."""
+    ``bytes(n)``, not ``bytearray``: calloc maps the 20 MiB chunks without touching their
+    pages (the limit is on address space), and faulting hundreds of MB in costs CPU time,
+    of which the cell has only 2 s on what may be a loaded host."""
     result = sandbox.run(f"chunks = []\nwhile True:\n    chunks.append(bytes({chunk}))")
     assert result.error == "MemoryError", result.observation()
 
