@@ -119,7 +119,7 @@ def test_a_call_larger_than_the_batch_runs_and_later_calls_wait(
 def test_next_turn_prefills_only_new_tokens_and_samples_the_same(
     service: LocalServiceClient,
 ) -> None:
-    cached, fresh = sampler(service), sampler(service, scoring_cache_bytes=0)
+    cached, fresh = sampler(service), sampler(service, kv_cache_bytes=0)
     prompt = PROMPTS[2]
     params = SamplingParams(max_tokens=6, seed=9)
     first = cached.sample(ModelInput.from_ints(prompt), 1, params).result().sequences[0]
