@@ -23,6 +23,7 @@ from agent_gym.sandbox import (
     open_sandbox,
 )
 from tests.helpers.procs import statuses, uid
+from tests.helpers.sandbox_code import FILL_MEMORY
 
 LIMITS = Limits(timeout=3.0, cpu_seconds=2, memory_bytes=256 << 20, output_bytes=2048)
 
@@ -119,7 +120,7 @@ def test_notebook_reports_a_memory_error_while_its_globals_still_fill_memory(
     """The hog's chunks stay in the notebook's globals, so the error is reported with memory
     full to within 4 KB; the notebook keeps its state and works again once they are freed."""
     assert notebook.run("kept = 7").ok
-    hog = notebook.run("chunks = []\nwhile True:\n    chunks.append(bytearray(4096))")
+    hog = notebook.run(FILL_MEMORY + "while True:\n    chunks.append(bytearray(4096))")
     assert hog.error == "MemoryError" and not hog.state_lost, hog.observation()
     assert "chunks.append(bytearray(4096))" in hog.stderr  # the full traceback, quoting the cell
     assert notebook.run("del chunks\nkept * 6").stdout == "42\n"

@@ -25,6 +25,7 @@ import pytest
 from agent_gym.sandbox import Limits, StatelessSandbox, open_sandbox, process
 from agent_gym.sandbox.config import FORKSERVER_SPARES, SANDBOX_ENV
 from tests.helpers.procs import live_pids_of, marked, wait_until
+from tests.helpers.sandbox_code import FILL_MEMORY
 
 LIMITS = Limits(
     timeout=3.0,
@@ -238,14 +239,11 @@ def test_fork_bomb_is_contained_and_other_sandboxes_keep_working(
     assert neighbour.ok and neighbour.stdout == "still fine\n"
 
 
-@pytest.mark.parametrize("chunk", [20 << 20, 64 << 10], ids=["20MiB", "64KiB"])
+@pytest.mark.parametrize("chunk", [20 << 20, 4 << 10], ids=["20MiB", "4KiB"])
 def test_memory_hog_gets_memory_error(sandbox: StatelessSandbox, chunk: int) -> None:
-    """Small chunks fill the limit to within 64 KB, so even the error's report must be
-    printed without importing anything (the per-call worker has no traceback module yet).
-    ``bytes(n)``, not ``bytearray``: calloc maps the 20 MiB chunks without touching their
-    pages (the limit is on address space), and faulting hundreds of MB in costs CPU time,
-    of which the cell has only 2 s on what may be a loaded host."""
-    result = sandbox.run(f"chunks = []\nwhile True:\n    chunks.append(bytes({chunk}))")
+    """With memory full to within 4 KB the error's report must be printed without importing
+    anything (the per-call worker has no traceback module yet)."""
+    result = sandbox.run(FILL_MEMORY + f"while True:\n    chunks.append(bytearray({chunk}))")
     assert result.error == "MemoryError", result.observation()
 
 
