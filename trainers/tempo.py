@@ -37,10 +37,10 @@ episodes. ``--critic-replay R`` (cross-entropy only) sends R earlier warm-up cri
 again with every later update, drawn so the update's targets are mixed as all of
 warm-up's (``replay``): a few states a step, each fitted once, leave a small critic at
 their mean, swinging with each update's mix. On Search-v0 from a 3-epoch SFT checkpoint,
-cross-entropy with the median readout beat the best constant after warm-up in one run of
-three without replay (pooled 0.358 against 0.338) and in three of three with
-``--critic-replay 8`` (pooled over 96 states 0.294 against 0.375, gain interval
-[0.010, 0.154]; README, TEMPO). Every update sends its actor and critic
+cross-entropy with the median readout beat the best constant after warm-up in three runs
+of three with ``--critic-replay 8`` (pooled over 96 states 0.294 against 0.375, gain
+interval [0.010, 0.154]) and in one of three with the same flags and no replay (0.408
+against 0.368, gain [-0.12, 0.05]; README, TEMPO). Every update sends its actor and critic
 datums in one ``forward_backward`` and takes one ``optim_step``.
 
 Cut replies. A reply cut by ``--max-tokens`` ends a rollout's episode by default (it is
