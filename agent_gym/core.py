@@ -5,14 +5,15 @@ task from a seed or from options, counting turns (so no ``TimeLimit`` wrapper is
 which would miscount after a restore), recording the action history with a digest of every
 observation, and restoring a saved state by replaying that history on a fresh task while
 checking each observation. It also owns the rules every env shares, so envs cannot drift
-apart on them: an invalid step earns ``-invalid_penalty``; running out of turns truncates the
-episode (never terminates it), and an env with right/wrong outcomes (``OutcomeEnv``) scores
-that as ``reward_incorrect``; an env whose engine can snapshot itself cheaply restores from a
-bounded cache of snapshots instead of replaying, still checking every observation, and an
-env that can also redo its engine's moves elsewhere restores in a fresh instance or process
-from the host's record of the prefixes it played (``_move``/``_redo``, see ``TextEnv``). Every
-observation a step returns -- tool output, answers, refusals -- is sanitised of chat-template
-control tokens and capped at ``max_obs_chars`` here, so no env can forget to.
+apart on them: an invalid step earns ``-invalid_penalty``; running out of turns truncates a
+multi-turn episode (a single-turn task, ``max_turns=1``, terminates with its one reply), and
+an env with right/wrong outcomes (``OutcomeEnv``) scores that as ``reward_incorrect``; an
+env whose engine can snapshot itself cheaply restores from a bounded cache of snapshots
+instead of replaying, still checking every observation, and an env that can also redo its
+engine's moves elsewhere restores in a fresh instance or process from the host's record of
+the prefixes it played (``_move``/``_redo``, see ``TextEnv``). Every observation a step
+returns -- tool output, answers, refusals -- is sanitised of chat-template control tokens
+and capped at ``max_obs_chars`` here, so no env can forget to.
 
 Backends outside the process (a search service, the code sandbox) can fail for reasons that
 have nothing to do with the episode. An env makes such calls through ``_outside``: a
@@ -344,7 +345,8 @@ class TextEnv(gymnasium.Env[str, str]):
         """Release engines, sandboxes or connections; called by ``close``."""
 
     def _out_of_turns(self, last: Transition) -> Transition:
-        """The last allowed turn ended without ending the episode, which is truncated.
+        """The last allowed turn ended without ending the episode (truncated, or terminated
+        when the task is single-turn).
 
         Return ``last`` as it should count (``dataclasses.replace`` it); the default leaves
         it as it is.
@@ -483,9 +485,14 @@ class TextEnv(gymnasium.Env[str, str]):
         (the info deep-copied): a caller that edits its info cannot change a later restore.
         """
         self._path.append(result)
-        truncated = not result.terminated and self.turn + 1 >= self.max_turns
-        if truncated:
+        out_of_turns = not result.terminated and self.turn + 1 >= self.max_turns
+        if out_of_turns:
             result = self._out_of_turns(result)
+        # A single-turn task ends with its one reply: that is the task's natural end, so it
+        # terminates; only a multi-turn budget running out is a cut (truncated), after which
+        # a trainer may still value what the episode could have become.
+        truncated = out_of_turns and self.max_turns > 1
+        terminated = result.terminated or (out_of_turns and not truncated)
         # Refusals quote the model and tool output is anything: neither may carry a turn
         # boundary into the chat or outgrow the budget (max_obs_chars <= the space's limit).
         observation = sanitize_tool_output(result.observation, self.max_obs_chars)
@@ -495,14 +502,14 @@ class TextEnv(gymnasium.Env[str, str]):
             self._chain.append(_chain(self._chain[-1], action, self._faults.get(self.turn)))
         self._digests.append(digest(observation))
         self._transcript.append(observation)
-        self._done = result.terminated or truncated
+        self._done = terminated or truncated
         info = {
             **copy.deepcopy(result.info),
             "message": {"role": result.role, "content": observation},
             "invalid": result.invalid,
             "turn": self.turn,
         }
-        return observation, reward, result.terminated and not truncated, truncated, info
+        return observation, reward, terminated, truncated, info
 
     def _remember(self) -> None:
         """Cache the engine's snapshot after the current action prefix, if it takes any,

@@ -97,6 +97,16 @@ def test_gsm8k_running_out_of_turns_truncates_with_the_no_answer_reward() -> Non
     assert info["no_answer"] is True
 
 
+def test_a_single_turn_task_terminates_with_its_one_reply_answered_or_not() -> None:
+    """max_turns=1 is the task's natural end, not a cut: Gymnasium's checker (1.4) refuses an
+    env whose first step truncates, and a trainer must not bootstrap past a finished task."""
+    env = gymnasium.make("agent_gym/GSM8K-v0", reward_incorrect=-0.5)
+    env.reset(seed=0)
+    _, reward, terminated, truncated, info = env.step("no answer here")
+    assert (reward, terminated, truncated, info["invalid"], info["no_answer"]) == (
+        -0.5, True, False, True, True)
+
+
 @pytest.mark.parametrize("depth", [0, 1, 2, 3, 4])
 def test_restore_at_every_depth_reproduces_the_episode(depth: int) -> None:
     actions = ["let me think", "<tool_call>oops", "", "still thinking", "so \\boxed{7}"]

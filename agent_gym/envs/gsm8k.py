@@ -28,8 +28,9 @@ class GSM8KEnv(OutcomeEnv):
     ``\\boxed{}`` is empty, is invalid (``-invalid_penalty``), and on the last turn it also
     earns ``reward_incorrect``.
     Episode end: terminated by a boxed answer; truncated once ``max_turns`` replies went by
-    without one (with ``max_turns=1``, a single unanswered reply).
-    Info: ``answer`` (what was read, or None) and ``correct``; ``no_answer`` on a truncated
+    without one. At the default ``max_turns=1`` the task is single-turn: its one reply
+    terminates the episode, answered or not (a cut would tell a trainer there was more to come).
+    Info: ``answer`` (what was read, or None) and ``correct``; ``no_answer`` on an unanswered
     last step.
     Trust: ``data_path``, ``split`` (a hub download) and ``math_timeout`` are host settings,
     never taken from a saved state (``agent_gym.make_from_state`` takes them from its caller).

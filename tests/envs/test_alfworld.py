@@ -13,7 +13,6 @@ from pathlib import Path
 
 import gymnasium
 import pytest
-from gymnasium.utils.env_checker import check_env
 
 from agent_gym import StateError, StateMismatchError, make_from_state
 from agent_gym.alfworld.games import GameError, bundled_root, find_games
@@ -56,13 +55,6 @@ def env() -> ALFWorldEnv:
 
 
 # ------------------------------------------------------------------ the episode
-def test_check_env_passes_in_both_protocols() -> None:
-    for protocol in ("tool", "text"):
-        made = make(protocol=protocol)
-        check_env(made, skip_render_check=False)
-        made.close()
-
-
 def test_reset_shows_room_task_and_admissible_and_keeps_walkthrough_privileged(
     env: ALFWorldEnv,
 ) -> None:

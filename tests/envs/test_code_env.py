@@ -11,7 +11,6 @@ import gymnasium
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from gymnasium.utils.env_checker import check_env
 
 from agent_gym import EnvState, StateMismatchError, make_from_state
 from agent_gym.data import DataError, bundled
@@ -40,11 +39,6 @@ def make() -> Iterator[object]:
     yield build
     for env in envs:
         env.close()
-
-
-def test_check_env_passes_for_both_protocols_and_modes(make) -> None:
-    check_env(make().unwrapped, skip_render_check=False)
-    check_env(make(protocol="fenced", mode="stateless").unwrapped, skip_render_check=False)
 
 
 def test_reset_offers_the_tool_and_keeps_the_answer_privileged(make) -> None:

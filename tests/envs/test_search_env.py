@@ -9,7 +9,6 @@ from pathlib import Path
 
 import gymnasium
 import pytest
-from gymnasium.utils.env_checker import check_env
 
 from agent_gym import EnvState, StateError, StateMismatchError, make_from_state
 from agent_gym.data import DataError, bundled
@@ -31,11 +30,6 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def search_call(query: str) -> str:
     return choose_protocol("tool", PROTOCOLS).format(query, preface="Let me look it up.")
-
-
-def test_check_env_passes_in_both_protocols() -> None:
-    for protocol in ("tool", "tag"):
-        check_env(gymnasium.make(ENV, protocol=protocol).unwrapped, skip_render_check=False)
 
 
 def test_reset_info_keeps_gold_answers_privileged() -> None:
