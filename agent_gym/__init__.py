@@ -8,6 +8,10 @@ Importing the package registers every environment with Gymnasium::
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from collections.abc import Iterable
+from importlib.metadata import entry_points
 from typing import Any
 
 import gymnasium
@@ -17,6 +21,7 @@ from agent_gym.core import (
     REWARD_SETTINGS,
     BackendFailure,
     Opening,
+    OutcomeEnv,
     Task,
     TextEnv,
     Transition,
@@ -26,15 +31,19 @@ from agent_gym.core import (
 from agent_gym.state import EnvState, StateError, StateMismatchError
 
 __all__ = [
+    "ENV_ENTRY_POINTS",
     "BackendFailure",
     "EnvState",
     "Opening",
+    "OutcomeEnv",
+    "PluginError",
     "StateError",
     "StateMismatchError",
     "Task",
     "TextEnv",
     "Transition",
     "UnicodeText",
+    "load_env_plugins",
     "make_from_state",
 ]
 
@@ -57,6 +66,47 @@ for _env_id, _entry_point in _ENTRY_POINTS.items():
         gymnasium.register(id=_env_id, entry_point=_entry_point, disable_env_checker=True)
 
 
+# Installed packages register their envs through this entry-point group: each entry is a
+# module that registers on import, or a function of no arguments that does.
+ENV_ENTRY_POINTS = "agent_gym.envs"
+
+
+class PluginError(Exception):
+    """A module named to register envs could not be imported."""
+
+
+def load_env_plugins(modules: Iterable[str] = ()) -> list[str]:
+    """Register third-party envs: import each of ``modules`` (``agent-gym --import``), then
+    load every ``agent_gym.envs`` entry point not loaded yet.
+
+    Envs are registered with Gymnasium, so once loaded they are made, replayed, served and
+    rescored like the bundled ones. A named module that fails to import is the caller's
+    error (``PluginError``); an installed entry point that fails only warns, so one broken
+    package cannot stop every command. Returns the env ids this call registered.
+    """
+    before = set(gymnasium.registry)
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # any failure of the user's module is reported, in one line
+            raise PluginError(f"--import {name}: {type(err).__name__}: {err}") from err
+    for point in entry_points(group=ENV_ENTRY_POINTS):
+        if point.value in _loaded_plugins:
+            continue
+        _loaded_plugins.add(point.value)
+        try:
+            loaded = point.load()
+            if callable(loaded):
+                loaded()
+        except Exception as err:  # a broken installed plugin must not stop the others
+            warnings.warn(f"the {ENV_ENTRY_POINTS} entry point {point.name!r} ({point.value}) "
+                          f"failed to load: {type(err).__name__}: {err}", stacklevel=2)
+    return sorted(set(gymnasium.registry) - before)
+
+
+_loaded_plugins: set[str] = set()
+
+
 def make_from_state(
     state: EnvState | str, **host_kwargs: Any
 ) -> tuple[gymnasium.Env, str, dict[str, Any]]:
@@ -73,9 +123,15 @@ def make_from_state(
     if isinstance(state, str):
         state = EnvState.from_json(state)
     if state.env_id not in gymnasium.registry:
-        raise StateError(f"the state belongs to {state.env_id!r}, which is not a registered env")
+        load_env_plugins()
+    if state.env_id not in gymnasium.registry:
+        raise StateError(
+            f"the state belongs to {state.env_id!r}, which is not a registered env (an env of "
+            f"another package registers when its module is imported: agent-gym --import MODULE)"
+        )
     spec = gymnasium.spec(state.env_id)
-    env_class = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else None
+    entry = spec.entry_point
+    env_class = load_env_creator(entry) if isinstance(entry, str) else entry
     host = getattr(env_class, "host_settings", frozenset())
     kwargs = {k: v for k, v in state.env_kwargs.items() if k not in host}
     env = gymnasium.make(state.env_id, **{**kwargs, **host_kwargs})

@@ -94,11 +94,23 @@ class UserError(Exception):
 # What a user's typo or setting can raise; anything else is an internal error whose
 # traceback is worth seeing. ``--debug`` shows tracebacks for these too.
 USER_ERRORS = (UserError, StateError, RunMismatchError, DataError, GameError, TemplateError,
-               RunDirError, CompareError)
+               RunDirError, CompareError, agent_gym.PluginError)
+# The commands that build envs: each takes --import, for envs of other packages.
+ENV_COMMANDS = ("envs", "replay", "eval", "serve", "view", "rescore")
 
 
-def _list_envs(_: argparse.Namespace) -> int:
-    for env_id in sorted(k for k in gymnasium.registry if k.startswith("agent_gym/")):
+def _add_import_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--import", dest="imports", action="append", default=[], metavar="MODULE",
+        help="import MODULE first, so the envs it registers with Gymnasium can be used "
+        "(repeatable); installed packages can register through the agent_gym.envs "
+        "entry-point group instead",
+    )
+
+
+def _list_envs(args: argparse.Namespace) -> int:
+    bundled = (k for k in gymnasium.registry if k.startswith("agent_gym/"))
+    for env_id in sorted({*bundled, *args.plugin_envs}):
         print(env_id)
     return 0
 
@@ -477,6 +489,8 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     search_cli.register(commands)
     alfworld_cli.register(commands)
     _register_serve(commands)
+    for name in ENV_COMMANDS:
+        _add_import_option(commands.choices[name])
     for point in plugins:
         point.load()(commands)
     return parser
@@ -508,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        args.plugin_envs = agent_gym.load_env_plugins(getattr(args, "imports", ()))
         return int(args.run(args))
     except USER_ERRORS as err:
         if args.debug:
