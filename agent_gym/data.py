@@ -12,6 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agent_gym.extras import install_hint
+
 
 class DataError(ValueError):
     """Task data cannot be read or does not have the fields an env needs."""
@@ -54,7 +56,7 @@ def load_hub(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
         import datasets
     except ImportError as err:
         raise DataError(
-            "loading from the hub needs the 'datasets' package: pip install 'agent-gym[hub]'"
+            f"loading from the hub needs the 'datasets' package: {install_hint('hub')}"
         ) from err
     try:
         return list(datasets.load_dataset(name, config, split=split))

@@ -23,6 +23,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from agent_gym.extras import install_hint
 from agent_gym.state import EnvState
 
 try:
@@ -30,7 +31,7 @@ try:
     from ray.exceptions import RayActorError, RayTaskError
 except ImportError as err:  # Ray is an optional extra
     raise ImportError(
-        "agent_gym.distributed needs Ray: pip install 'agent-gym[ray]'"
+        f"agent_gym.distributed needs Ray: {install_hint('ray')}"
     ) from err
 
 

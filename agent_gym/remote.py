@@ -24,13 +24,14 @@ from typing import Any
 import gymnasium
 
 from agent_gym.core import MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, UnicodeText
+from agent_gym.extras import install_hint
 from agent_gym.state import EnvState, StateError
 
 try:
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import ClientConnection, connect
 except ImportError as err:  # the client's transport is an optional extra
-    raise ImportError("agent_gym.remote needs websockets: pip install 'agent-gym[serve]'") from err
+    raise ImportError(f"agent_gym.remote needs websockets: {install_hint('serve')}") from err
 
 
 class RemoteEnvError(RuntimeError):

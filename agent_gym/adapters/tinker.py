@@ -27,6 +27,8 @@ from typing import Any
 
 import gymnasium
 
+from agent_gym.extras import install_hint
+
 try:
     from tinker_cookbook import renderers
     from tinker_cookbook.rl import types
@@ -34,7 +36,7 @@ try:
     from tinker_cookbook.tokenizer_utils import Tokenizer, get_tokenizer
 except ImportError as err:  # tinker-cookbook is an optional extra
     raise ImportError("agent_gym.adapters.tinker needs tinker-cookbook: "
-                      "pip install 'agent-gym[tinker]'") from err
+                      + install_hint("tinker")) from err
 
 from agent_gym.state import EnvState
 from agent_gym.tools import format_tool_call

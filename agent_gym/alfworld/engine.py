@@ -47,6 +47,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent_gym.extras import install_hint
+
 try:
     import fast_downward
     import textworld
@@ -59,7 +61,7 @@ try:
 except ModuleNotFoundError as err:  # the engine is an optional extra
     raise ModuleNotFoundError(
         f"ALFWorld-v0 runs on ALFWorld's engine, and {err.name!r} is not installed: "
-        "pip install 'agent-gym[alfworld]'",
+        + install_hint("alfworld"),
         name=err.name,
     ) from err
 

