@@ -75,7 +75,7 @@ def install(route: str, work: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="Each install route's time and size, cold.")
     parser.add_argument("--routes", default=",".join(ROUTES),
                         help="comma-separated routes, of: " + ", ".join(ROUTES))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/install.json"))
