@@ -1,8 +1,8 @@
 """How to install an optional extra, said the same way by every module that needs one.
 
 The package is installed from a clone (or a wheel built from one), not from PyPI, so the
-hint names the clone's command: ``pip install 'agent-gym[x]'`` would answer "No matching
-distribution".
+hint names the clone's command: asking pip for the extra by the package's name would answer
+"No matching distribution".
 """
 
 from __future__ import annotations

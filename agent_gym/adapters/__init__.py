@@ -4,5 +4,5 @@
 * ``agent_gym.adapters.tinker``: an ``EnvGroupBuilder`` for tinker-cookbook's RL loops.
 
 Each is imported on its own, so using one never needs the other trainer installed.
-verifiers and GEM need no adapter: see the README section "Use the envs from other trainers".
+verifiers and GEM need no adapter: see docs/serving.md.
 """
