@@ -35,48 +35,7 @@ with the same checkpoint and budgets, so variants are measured on the very same 
 
 Writes ``benchmarks/results/critic.json``. About 45 minutes on one thread of this machine.
 
-Measured from the ``make run`` SFT checkpoint (10/18 held out), with the defaults: 368 + 359
-states, 71% of targets 0. Absolute errors, greedy / each reply at temperature 1 / median
-of 4, against the best constant (0.0) on the same states:
-
-- before training: 0.686 / 0.612 / 0.635 against 0.26 (the critic says 0.9);
-- after 1 epoch: 0.253 / 0.261 / 0.248 against 0.255;
-- after 2 epochs (train loss 0.17): 0.265 / 0.278 / 0.254 against 0.255.
-
-The value/target correlation is 0.10-0.16, against 0.47 for the cue predictor, which
-scores 0.193. So the critic ties the constant at best: at this size and with this much
-data it does not learn to read the cues its prompt holds.
-
-With every state of the first collection (``--train-states 368 --epochs 1``, 65 minutes,
-``results/critic-368.json``), measured on another 100 states (that run's test sample still
-depended on the training count; it no longer does) whose constant scores 0.388: greedy
-0.353, median of 4 0.363, each reply 0.396, correlation 0.12-0.17; the cue predictor 0.240
-(0.50). A few hundredths below the constant: that run recorded no per-state values, so
-whether the gap is more than the noise of 100 states is not known (the benchmark now
-records them, and a paired bootstrap interval of the gain, ``gain_over_constant_95``).
-
-Where outcomes follow from the state, the critic does learn them. With the policy sampling
-at ``--temperature 0.5`` (``results/critic-t05.json``, the ``make run`` checkpoint, 324 +
-327 states, 55% of targets 0), a gold answer in the history is followed by success 69% of
-the time (about half at temperature 1), and the cue predictor scores 0.163 against 0.453
-for the constant (correlation 0.71). After 1 epoch the greedy critic scored 0.303 against
-0.453, gain interval [0.06, 0.25], correlation 0.41: below the constant. It did not hold:
-after the second epoch (train loss 0.20) it answered about 0 again, 0.443 (gain [-0.04,
-0.05]); its replies at temperature 1 were no better than the constant after epoch 1 (0.51)
-and a little better after epoch 2 (0.410, gain [0.006, 0.078]). TEMPO cannot use that
-setting: its trainers sample at temperature 1, the distribution the learner scores.
-
-From a 3-epoch SFT checkpoint at temperature 1 (``results/critic-sft3.json``: 295 + 297
-states, mean target 0.60, success 98% after a gold answer in the history, 27% otherwise)
-the cue predictor scores 0.110 against 0.403; the critic after 1 epoch says about 0
-everywhere, 0.568 greedy (0 on 80 states, 0.25 on 20). Not an artefact of reading the
-value token by token: the median of its distribution over the five replies scored whole
-is the greedy value on all 100 states. Trained on 58% ones, it puts most mass on "0".
-At lr 3e-4 over all 295 train states it said 0 as well (``critic-sft3-lr3e-4.json``).
-Those runs had the privileged reference before the history in the critic's prompt. With
-it after the history (``critic_messages`` now), that lr 3e-4 run on the same states beat
-the constant (``critic-sft3-lr3e-4-reference-last.json``): median readout 0.348 against
-0.403, gain [0.02, 0.095], correlation 0.26.
+What it measured is in ``docs/experiments/critic.md``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from harness import RESULTS, Result
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"  # the CPU build kept on these machines; installed first, as documented
@@ -78,14 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Each install route's time and size, cold.")
     parser.add_argument("--routes", default=",".join(ROUTES),
                         help="comma-separated routes, of: " + ", ".join(ROUTES))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/install.json"))
+    parser.add_argument("--out", default=str(RESULTS / "install.json"))
     args = parser.parse_args()
     routes = ["core", *(r for r in args.routes.split(",") if r != "core")]
-    result: dict[str, Any] = {
-        "command": "python benchmarks/bench_install.py " + " ".join(sys.argv[1:]),
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_average_at_start": round(os.getloadavg()[0], 2),
-    }
+    result = Result()
     rows = []
     with tempfile.TemporaryDirectory(prefix="agent-gym-install-") as work:
         for route in routes:
@@ -95,9 +92,8 @@ def main() -> None:
     for row in rows:
         row["time_vs_core"] = round(row["seconds"] / baseline["seconds"], 1)
         row["disk_vs_core"] = round(row["disk_mb"] / max(baseline["disk_mb"], 0.1), 1)
-    result["routes"] = rows
-    result["load_average_at_end"] = round(os.getloadavg()[0], 2)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result.figures["routes"] = rows
+    result.write(args.out)
 
 
 if __name__ == "__main__":

@@ -47,57 +47,8 @@ SFT here is one epoch at learning rate 1e-3 by default (``--preset cpu-demo``'s,
 ``make run`` trains); the earlier measurement of 4 epochs at 2e-4 (0/18 -> 14/18 held
 out) took about an hour on the shared cores.
 
-The training curves go to ``--out`` with ``.png``. Figures and their load: in ``--out``.
-
-Measured (2 cores shared by 8 sessions, one torch thread, load 1.4-33): base 0/18
-[0.00, 0.18]; after one SFT epoch (14 steps) 10/18 [0.34, 0.75], held-out NLL per token
-2.03 -> 0.076. GRPO from that checkpoint: 7 of 20 groups non-degenerate in 10 steps,
-reward 4/24 [0.07, 0.36] in steps 0-2 -> 9/24 [0.21, 0.57] in steps 7-9; killed by the
-OOM killer in step 10 (the results file says which figures came from which run).
-OPD from the ``make run`` SFT checkpoint (10/18 held out) into the base model, 16 steps
-of 4 tasks x 2 episodes at lr 1e-3 with ``--opd-teacher-labels 1``: reverse_kl_mean 1.35
--> 0.15 (0.11 of its start), held-out student 0/18 -> 7/18 [0.20, 0.61] (27 min at load
-1-2); with ``--opd-kl-coef 0`` (the labels alone) 1.49 -> 0.11 and 6/18 [0.16, 0.56], so
-the labels are what teaches. Without them (below, and 24 steps at lr 2e-3: KL 1.78 ->
-0.70) the KL falls but held-out success stays 0/18.
-TEMPO from a 2-epoch SFT checkpoint, 3 warm-up + 4 TD updates: 14 boundary states; after
-warm-up the critic parsed 53/54 samples (98%) but its absolute error was 0.078 against
-0.031 for the best constant (outcomes barely varied: mean target 0.06). OPD from the same
-checkpoint (teacher 9/18 held out) into the base model, 16 steps at lr 1e-3:
-reverse_kl_mean 0.71 -> 0.75 (not lowered), held-out student 0/18.
-TEMPO from the one-epoch checkpoint with the critic's target reply and the openings in
-warm-up, ``--tempo-warmup 16 --tempo-td 8 --tempo-branches 4 --tempo-critic-samples 4
---tempo-endpoint-samples 4 --tempo-learning-rate 2e-4`` (23 min, load 1.6-2.1): after
-warm-up 16 states, parse 97.5%, abs error 0.128 against 0.114 for one constant (0.092
-re-fitted per update), value/target correlation -0.09: not below. The critic answers
-about 0 everywhere: most states' targets are 0 (failed episodes are the long ones, so they
-give most boundary states), and for a state that fails more often than not 0 is the
-best answer under absolute error. With ``--tempo-horizon 2`` (the same flags, 23 min at
-load 1), so that most TD targets are real outcomes rather than the critic's own values:
-parse 100%, abs error 0.107 against 0.095 for one constant, correlation 0.01: not below
-either. That run is the results file's ``tempo_reward_rule`` section. Whether the critic
-can learn these values at all, without TEMPO around it: ``bench_critic.py``.
-Without replay (``--tempo-warmup 20 --tempo-td 8 ... --tempo-learning-rate 3e-4
---tempo-critic-readout median``, the critic's reference before the history): below the
-constant in one run of three (``tempo-median-seed0.json``: 0.258 against 0.328), not in
-two replicates with ``--tempo-seed 1`` and ``2`` and 16 TD updates
-(``tempo-median-seed1.json``, ``-seed2``); pooled (``tempo-median-pooled.json``) 0.358
-against 0.338, gain interval [-0.07, 0.03]. The critic's level swung between 0, 0.5 and 1
-from one update to the next.
-The results file's ``tempo`` section: the same checkpoint, ``--tempo-warmup 24
---tempo-td 8 --tempo-batch-size 4 --tempo-branches 4 --tempo-critic-samples 2
---tempo-endpoint-samples 1 --tempo-horizon 2 --tempo-learning-rate 2e-4
---tempo-critic-loss cross_entropy --tempo-critic-temperature 0 --tempo-critic-readout
-median --tempo-critic-replay 8`` (56 min; three runs, and for 13 min a test run, on the
-2 cores, load 1.8-3.9): after warm-up parse 64/64, abs error 0.320 against 0.391 for one
-constant (32 states), correlation 0.42. Replicates ``--tempo-seed 1`` and ``2``
-(``tempo-replay-seed1.json``, ``-seed2``): 0.230 against 0.297 and 0.332 against 0.371,
-correlation 0.51 and 0.40.
-Pooled (``tempo_pooled``, 96 states): 0.294 against 0.375, correlation 0.46, per-state
-gain interval [0.010, 0.154]: below the constant in every run, the pool's interval
-above 0 (each run's alone spans 0). The same flags with ``--tempo-critic-replay 0``
-(``tempo-noreplay-seed0/1/2.json``, ``tempo-noreplay-pooled.json``): one run of three
-below the constant, pooled 0.408 against 0.368, gain [-0.12, 0.05].
+The training curves go to ``--out`` with ``.png``. Figures and their load: in ``--out``;
+what the runs measured is in ``docs/experiments/learning.md`` and ``tempo.md``.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ def critic_messages(
     # the same Search-v0 states (SmolLM2 from the 3-epoch SFT checkpoint, one
     # cross-entropy epoch at lr 3e-4): with the reference first the critic said 0 on every
     # held-out state (abs error 0.598 against 0.403 for the best constant,
-    # results/critic-sft3-lr3e-4.json); with it last it beat the constant (0.348, gain
-    # interval [0.02, 0.095], results/critic-sft3-lr3e-4-reference-last.json).
+    # benchmarks/experiments/critic-layout/); with it last it beat the constant (0.348, gain
+    # interval [0.02, 0.095], same folder).
     user = (
         f"## Task\n{_clip(task, TASK_CHARS, keep_tail=False)}\n\n"
         f"## History ({len(turns)} turns so far)\n"

@@ -1,0 +1,59 @@
+"""One schema for every benchmark's result file: what ran, on what, under what load.
+
+A figure means little without the command that produced it, the commit it measured, the
+machine and how busy that machine was: a 2-core host shared with other work can be several
+times slower than a quiet one. ``Result`` records those around a benchmark's own figures,
+and ``write`` puts them in ``benchmarks/results/<name>.json``, the one current file of that
+benchmark (earlier or ablation runs belong in ``benchmarks/experiments/<name>/``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10)
+    except OSError:
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+@dataclass
+class Result:
+    """A run in progress: started now, its figures added as they are measured."""
+
+    figures: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    load_at_start: float = field(default_factory=lambda: round(os.getloadavg()[0], 2))
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "command": " ".join(["python", *sys.argv]),
+            "commit": _commit(),
+            "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                        "platform": platform.platform()},
+            "load_average_at_start": self.load_at_start,
+            "load_average_at_end": round(os.getloadavg()[0], 2),
+            "seconds": round(time.perf_counter() - self.started, 1),
+            **self.figures,
+        }
+
+    def write(self, out: str | Path) -> Path:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.record(), indent=2) + "\n", encoding="utf-8")
+        return path
