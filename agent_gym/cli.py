@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
@@ -34,13 +35,14 @@ from agent_gym.eval import (
     EvalConfig,
     RunMismatchError,
     Summary,
+    action_protocol,
     evaluate,
     format_table,
     overall_summary,
     read_summary,
     record_key,
 )
-from agent_gym.policies import make_policy
+from agent_gym.policies import PolicyError, PolicyInput, make_policy, phrase_action
 from agent_gym.render import TemplateError
 from agent_gym.runs import RunDirError
 from agent_gym.search import cli as search_cli
@@ -85,6 +87,20 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default to its help, unless the help already says it in its own
+    words ("default: 10, or the suite's counts", which a bare "(default: None)" after it
+    contradicted) or there is none worth saying (None, an empty list, an off switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (re.search(r"\bdefault:", text, re.IGNORECASE) or default is None
+                or default is False or default == []):
+            return text
+        return super()._get_help_string(action)
 
 
 class UserError(Exception):
@@ -227,13 +243,21 @@ def _probe_env(env_id: str, env_kwargs: dict[str, Any], policy_spec: str) -> Non
         raise UserError(f"cannot build {env_id} with {env_kwargs}: {err}") from err
     try:
         _, info = env.reset(seed=0)
+        protocol = action_protocol(env)
     finally:
         env.close()
-    if policy_spec == "random" and not info.get("admissible_actions"):
+    if policy_spec != "random":
+        return
+    admissible = info.get("admissible_actions")
+    if not admissible:
         raise UserError(
             f"--policy random picks among admissible actions, and {env_id} lists none; "
             "use it with ALFWorld-v0"
         )
+    try:  # the policy's own check, made before anything runs
+        phrase_action(PolicyInput([], info["tools"], 0, protocol=protocol), admissible[0])
+    except PolicyError as err:
+        raise UserError(f"--policy random cannot play {env_id}: {err}") from err
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -304,6 +328,7 @@ def _eval(args: argparse.Namespace) -> int:
                     summary = asyncio.run(evaluate(
                         config, policy, out_dir, concurrency=args.concurrency,
                         progress=not args.quiet, make_env=_env_factory(config, args.ray),
+                        notify=_tell,
                     ))
                 except KeyboardInterrupt:
                     if (out_dir / "summary.json").exists():
@@ -322,6 +347,11 @@ def _eval(args: argparse.Namespace) -> int:
               f"the first: {summary.first_error} (all in {out_dir / ERRORS_FILE})",
               file=sys.stderr)
     return 1 if failed else 0
+
+
+def _tell(note: str) -> None:
+    """An eval's word on what it found in a run directory, shown even with --quiet."""
+    print(f"agent-gym eval: {note}", file=sys.stderr)
 
 
 def _report(runs: Sequence[tuple[EvalConfig, Summary, Path]], args: argparse.Namespace) -> None:
@@ -437,12 +467,14 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
 
     evaluation = commands.add_parser(
         "eval", help="benchmark a policy on an env (or a suite), resumable",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         description="Run episodes concurrently, log each to OUT/episodes.jsonl (rerun the same "
-        "command to resume), and print a summary table with 95%% intervals.",
+        "command to resume; a run directory only grows), and print a summary table with 95% "
+        "intervals and the shares of invalid actions and of cut replies.",
     )
     evaluation.add_argument("env_id", nargs="?", help="e.g. agent_gym/GSM8K-v0 (see `envs`)")
-    evaluation.add_argument("--suite", help=f"run a suite of envs instead: {', '.join(SUITES)}")
+    evaluation.add_argument("--suite",
+                            help=f"run a suite of envs instead; suites: {', '.join(SUITES)}")
     evaluation.add_argument(
         "--policy", action="append", metavar="SPEC",
         help="repeatable; oracle | random | openai:MODEL@BASE_URL[#text] | "
@@ -452,8 +484,10 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
     evaluation.add_argument("--episodes", type=int, default=None,
                             help="episodes per env (default: 10, or the suite's counts)")
     evaluation.add_argument("--concurrency", type=int, default=4, help="episodes at once")
-    evaluation.add_argument("--out", required=True,
-                            help="run directory (resumed if it holds the same run)")
+    evaluation.add_argument(
+        "--out", required=True,
+        help="run directory: resumed or extended if it holds the same run; its summary covers "
+        "every episode in it, even with fewer --episodes")
     evaluation.add_argument("--split", help="data split, passed to the env as split=")
     evaluation.add_argument("--seed", type=int, default=0, help="episode i plays seed+i")
     evaluation.add_argument("--max-tokens", type=int, default=256, help="per model reply")

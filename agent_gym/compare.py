@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agent_gym.eval import wilson_interval
+from agent_gym.eval import ReplyCounts, wilson_interval
 from agent_gym.runs import EpisodeKey, Run
 
 
@@ -72,10 +72,15 @@ def paired_difference(
 
 @dataclass(frozen=True)
 class EnvComparison:
+    """One env's paired tasks; ``counts_a/b`` tell whether a side's success rate measured
+    anything (its invalid actions and cut replies, see ``ReplyCounts``)."""
+
     env_id: str
     success: PairedDifference
     reward_a: float
     reward_b: float
+    counts_a: ReplyCounts
+    counts_b: ReplyCounts
     fixed: list[EpisodeKey] = field(default_factory=list)  # failed in a, solved in b
     broken: list[EpisodeKey] = field(default_factory=list)  # solved in a, failed in b
 
@@ -92,6 +97,9 @@ class Comparison:
     envs: list[EnvComparison]
     only_in_a: int  # episodes without a partner, left out
     only_in_b: int
+    counts_a: ReplyCounts
+    counts_b: ReplyCounts
+    notes: list[str] = field(default_factory=list)  # a side's invalid actions or cuts dominate
 
     @property
     def fixed(self) -> list[EpisodeKey]:
@@ -126,6 +134,11 @@ def compare(a: Sequence[Run], b: Sequence[Run], label_a: str, label_b: str) -> C
     for env_id in sorted({key[0] for key in shared}):
         keys = [key for key in shared if key[0] == env_id]
         envs.append(_compare_env(env_id, keys, episodes_a, episodes_b))
+    counts_a = ReplyCounts.of([episodes_a[k] for k in shared])
+    counts_b = ReplyCounts.of([episodes_b[k] for k in shared])
+    notes = [f"{name}: {note}"
+             for name, side, counts in (("A", a, counts_a), ("B", b, counts_b))
+             for note in counts.notes(side[0].config.max_tokens)]
     return Comparison(
         label_a, label_b,
         overall=_paired(shared, episodes_a, episodes_b),
@@ -134,6 +147,7 @@ def compare(a: Sequence[Run], b: Sequence[Run], label_a: str, label_b: str) -> C
         envs=envs,
         only_in_a=len(episodes_a) - len(shared),
         only_in_b=len(episodes_b) - len(shared),
+        counts_a=counts_a, counts_b=counts_b, notes=notes,
     )
 
 
@@ -142,6 +156,8 @@ def _compare_env(env_id: str, keys: list[EpisodeKey], a: dict, b: dict) -> EnvCo
         env_id, _paired(keys, a, b),
         reward_a=statistics.fmean(a[k]["reward"] for k in keys),
         reward_b=statistics.fmean(b[k]["reward"] for k in keys),
+        counts_a=ReplyCounts.of([a[k] for k in keys]),
+        counts_b=ReplyCounts.of([b[k] for k in keys]),
         fixed=[k for k in keys if not a[k]["success"] and b[k]["success"]],
         broken=[k for k in keys if a[k]["success"] and not b[k]["success"]],
     )
@@ -156,16 +172,18 @@ def _paired(keys: list[EpisodeKey], a: dict, b: dict) -> PairedDifference:
 
 
 def format_comparison(comparison: Comparison, max_flips: int = 20) -> str:
-    """The terminal view: per-env table, overall line, and the tasks that flipped."""
+    """The terminal view: per-env table, overall line, notes, and the tasks that flipped."""
     header = ("env", "pairs", "success A", "success B", "B - A [95% CI, Newcombe paired]",
-              "reward A", "reward B", "fixed", "broken")
+              "reward A", "reward B", "invalid A/B", "cut A/B", "fixed", "broken")
     rows = [header]
     for env in comparison.envs:
         rows.append(_row(env.env_id.removeprefix("agent_gym/"), env.success, env.reward_a,
-                         env.reward_b, len(env.fixed), len(env.broken)))
+                         env.reward_b, env.counts_a, env.counts_b, len(env.fixed),
+                         len(env.broken)))
     if len(comparison.envs) > 1:
         rows.append(_row("all", comparison.overall, comparison.reward_a, comparison.reward_b,
-                         len(comparison.fixed), len(comparison.broken)))
+                         comparison.counts_a, comparison.counts_b, len(comparison.fixed),
+                         len(comparison.broken)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [f"A = {comparison.label_a}", f"B = {comparison.label_b}"]
     table = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
@@ -174,6 +192,7 @@ def format_comparison(comparison: Comparison, max_flips: int = 20) -> str:
     if comparison.only_in_a or comparison.only_in_b:
         lines.append(f"unpaired episodes left out: {comparison.only_in_a} of A, "
                      f"{comparison.only_in_b} of B")
+    lines += [f"note: {note}" for note in comparison.notes]
     for title, keys in (("fixed (failed in A, solved in B)", comparison.fixed),
                         ("broken (solved in A, failed in B)", comparison.broken)):
         if keys:
@@ -184,12 +203,18 @@ def format_comparison(comparison: Comparison, max_flips: int = 20) -> str:
     return "\n".join(lines)
 
 
-def _row(name: str, d: PairedDifference, reward_a: float, reward_b: float, fixed: int,
-         broken: int) -> tuple[str, ...]:
+def _row(name: str, d: PairedDifference, reward_a: float, reward_b: float,
+         counts_a: ReplyCounts, counts_b: ReplyCounts, fixed: int, broken: int
+         ) -> tuple[str, ...]:
     n = d.pairs
     return (name, str(n), f"{(d.both + d.only_a) / n:.3f}", f"{(d.both + d.only_b) / n:.3f}",
             f"{d.difference:+.3f} [{d.low:+.3f}, {d.high:+.3f}]", f"{reward_a:.3f}",
-            f"{reward_b:.3f}", str(fixed), str(broken))
+            f"{reward_b:.3f}", f"{_share(counts_a.invalid_share)}/{_share(counts_b.invalid_share)}",
+            f"{_share(counts_a.cut_share)}/{_share(counts_b.cut_share)}", str(fixed), str(broken))
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _key_text(key: EpisodeKey) -> str:

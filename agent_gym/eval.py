@@ -12,7 +12,10 @@ an unbroken one would.
 
 Every setting that changes results (env, its arguments, policy, seed, reply budget,
 temperature, history window) is the run's identity: a resume with another value is refused.
-Asking for more episodes or more rollouts per task extends a run.
+Asking for more episodes or more rollouts per task extends a run; asking for fewer never
+shrinks it: the directory's run is every episode it holds (``EvalConfig.covering``), so
+``summary.json``, ``compare`` and ``view`` all read every episode on disk, and a rerun says
+what it found there.
 
 An episode whose prompt outgrows the policy's context ends ``context_length``: it is scored
 with what the env paid until then and recorded like any other, so a resume never retries
@@ -31,8 +34,8 @@ import statistics
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -42,6 +45,7 @@ from tqdm import tqdm
 
 from agent_gym.core import describe_env
 from agent_gym.policies import ContextLengthError, Policy, PolicyInput, derive_seed
+from agent_gym.protocols import ActionProtocol
 from agent_gym.render import window_messages
 
 EPISODES_FILE = "episodes.jsonl"
@@ -87,6 +91,24 @@ class EvalConfig:
             if recorded.get(name, _MISSING) != mine[name]
         ]
 
+    def covering(
+        self, keys: Iterable[Key], recorded: Mapping[str, Any] | None = None
+    ) -> EvalConfig:
+        """This run grown to the counts a ``recorded`` config asked for and to every
+        (episode, rollout) in ``keys``: a run directory only ever grows, so a rerun with
+        fewer ``--episodes`` can never make its summary, ``compare`` or ``view`` read
+        fewer episodes than it holds."""
+        recorded = recorded or {}
+        episodes, rollouts = [self.episodes], [self.rollouts_per_task]
+        for counts, name in ((episodes, "episodes"), (rollouts, "rollouts_per_task")):
+            value = recorded.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                counts.append(value)
+        for episode, rollout in keys:
+            episodes.append(episode + 1)
+            rollouts.append(rollout + 1)
+        return replace(self, episodes=max(episodes), rollouts_per_task=max(rollouts))
+
 
 IDENTITY = ("env_id", "policy", "seed", "env_kwargs", "max_tokens", "temperature",
             "history_window")
@@ -99,6 +121,58 @@ def episode_seed(seed: int, episode: int, rollout: int) -> int:
     """The reset seed of one rollout: rollout 0 keeps ``seed + episode`` (what runs used
     before rollouts existed), later ones get seeds derived from all three."""
     return seed + episode if rollout == 0 else derive_seed(seed, episode, rollout)
+
+
+DOMINANT_SHARE = 0.5  # above it, invalid actions or cut replies are what a run measured
+
+
+@dataclass(frozen=True)
+class ReplyCounts:
+    """What became of a run's replies: how many actions the env judged and how many of
+    those it refused as invalid, and how many episodes ended on a reply that the token
+    budget cut (the env never sees one).
+
+    A success rate of 0.00 reads as a policy's skill; when most calls were malformed or
+    most replies cut, it measured the protocol or the budget instead, so these are shown
+    beside it and said out loud when they dominate.
+    """
+
+    episodes: int
+    actions: int
+    invalid: int
+    cut: int
+
+    @classmethod
+    def of(cls, records: Sequence[Mapping[str, Any]]) -> ReplyCounts:
+        cut = sum(r.get("end_reason") == "max_tokens" for r in records)
+        # A cut reply is a turn the env never judged.
+        actions = sum(int(r["turns"]) for r in records) - cut
+        invalid = sum(int(r.get("invalid_actions", 0)) for r in records)
+        return cls(len(records), actions, invalid, cut)
+
+    @property
+    def invalid_share(self) -> float | None:
+        return self.invalid / self.actions if self.actions else None
+
+    @property
+    def cut_share(self) -> float | None:
+        return self.cut / self.episodes if self.episodes else None
+
+    def notes(self, max_tokens: int) -> list[str]:
+        """A line for each of the two when it dominates the run."""
+        notes = []
+        if (self.cut_share or 0) > DOMINANT_SHARE:
+            notes.append(
+                f"most replies were cut by --max-tokens {max_tokens}: raise it ({self.cut} of "
+                f"{self.episodes} episodes ended on a cut reply, which is never scored)"
+            )
+        if (self.invalid_share or 0) > DOMINANT_SHARE:
+            notes.append(
+                f"most actions were invalid ({self.invalid} of {self.actions}): the env "
+                "refused them, so the success rate says little about the task; check that "
+                "the policy calls the tool the way the env's prompt asks"
+            )
+        return notes
 
 
 @dataclass(frozen=True)
@@ -144,6 +218,12 @@ class Summary:
     reply_latency_p95: float | None = None
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
+    # Actions the env judged (cut replies are not) and those of them it refused.
+    actions: int = 0
+    invalid_actions: int = 0
+
+    def reply_counts(self) -> ReplyCounts:
+        return ReplyCounts(self.episodes, self.actions, self.invalid_actions, self.cut_replies)
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -252,6 +332,7 @@ def summarize(
     replies = [reply for r in records for reply in r.get("replies", ())]
     reply_latencies = [reply["latency_s"] for reply in replies]
     ends = Counter(r.get("end_reason", "") for r in records)
+    counts = ReplyCounts.of(records)
     return Summary(
         env_id=config.env_id,
         policy=config.policy,
@@ -266,7 +347,7 @@ def summarize(
         latency_p50=percentile(latencies, 0.5),
         latency_p95=percentile(latencies, 0.95),
         synthetic=any(r.get("synthetic", False) for r in records),
-        cut_replies=ends["max_tokens"],
+        cut_replies=counts.cut,
         first_error=first_error,
         rollouts_per_task=rollouts,
         tasks=len(by_task),
@@ -281,8 +362,10 @@ def summarize(
         ).items())),
         reply_latency_p50=percentile(reply_latencies, 0.5),
         reply_latency_p95=percentile(reply_latencies, 0.95),
-        notes=_notes(config, replies),
+        notes=counts.notes(config.max_tokens) + _notes(config, replies),
         interrupted=interrupted,
+        actions=counts.actions,
+        invalid_actions=counts.invalid,
     )
 
 
@@ -302,11 +385,15 @@ def _notes(config: EvalConfig, replies: Sequence[Mapping[str, Any]]) -> list[str
 
 
 def format_table(summaries: Sequence[Summary]) -> str:
-    """The run table, then (when a run has several rollouts per task) its pass@k table."""
-    header = ("env", "policy", "n", "success [95% CI]", "reward", "turns", "tokens",
-              "latency p50/p95 s", "reply p50/p95 s", "errors")
+    """The run table, then (when a run has several rollouts per task) its pass@k table.
+
+    ``invalid`` is the share of actions the env refused, ``cut`` the share of episodes
+    ended by the token budget (see ``ReplyCounts``)."""
+    header = ("env", "policy", "n", "success [95% CI]", "reward", "turns", "tokens", "invalid",
+              "cut", "latency p50/p95 s", "reply p50/p95 s", "errors")
     rows = [header]
     for s in summaries:
+        counts = s.reply_counts()
         rows.append((
             s.env_id.removeprefix("agent_gym/") + (" (synthetic data)" if s.synthetic else "")
             + (" (interrupted)" if s.interrupted else ""),
@@ -314,6 +401,7 @@ def format_table(summaries: Sequence[Summary]) -> str:
             _figure(s.success_rate, ".2f") + f" [{s.success_low:.2f}, {s.success_high:.2f}]",
             _figure(s.mean_reward, ".3f"), _figure(s.mean_turns, ".1f"),
             _figure(s.mean_tokens, ".0f"),
+            _figure(counts.invalid_share, ".2f"), _figure(counts.cut_share, ".2f"),
             f"{_figure(s.latency_p50, '.2f')}/{_figure(s.latency_p95, '.2f')}",
             f"{_figure(s.reply_latency_p50, '.2f')}/{_figure(s.reply_latency_p95, '.2f')}",
             str(s.errors),
@@ -346,22 +434,31 @@ Key = tuple[int, int]  # (episode, rollout)
 
 
 class RunLog:
-    """The run directory: config, finished episodes, errors; durable line by line."""
+    """The run directory: config, finished episodes, errors; durable line by line.
+
+    ``config`` is the run the directory holds: the one asked for, grown to what it held
+    before (``EvalConfig.covering``), and written back to ``config.json``; ``found`` is how
+    many episodes were already there.
+    """
 
     def __init__(self, out_dir: Path, config: EvalConfig) -> None:
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         config_path = out_dir / "config.json"
+        recorded = None
         if config_path.exists():
-            differences = config.differences(json.loads(config_path.read_text(encoding="utf-8")))
+            recorded = json.loads(config_path.read_text(encoding="utf-8"))
+            differences = config.differences(recorded)
             if differences:
                 raise RunMismatchError(
                     f"{out_dir} holds another run: {'; '.join(differences)}. Rerun with the "
                     "recorded settings to resume it. Use another --out directory for a new run."
                 )
-        _write_atomically(config_path, json.dumps(asdict(config), indent=2))
         self.episodes_path = out_dir / EPISODES_FILE
         self.records = self._recover(self.episodes_path)
+        self.found = len(self.records)
+        self.config = config.covering(self.records, recorded)
+        _write_atomically(config_path, json.dumps(asdict(self.config), indent=2))
         self._errors_path = out_dir / ERRORS_FILE
         self._errors_path.unlink(missing_ok=True)  # errored episodes are retried on resume
         self.errors = 0
@@ -391,10 +488,26 @@ class RunLog:
                 handle.truncate(good_bytes)
         return records
 
-    def finished(self, config: EvalConfig) -> list[dict[str, Any]]:
-        """The finished episodes ``config`` asks for, in (episode, rollout) order."""
-        return [self.records[key] for key in sorted(self.records)
-                if key[0] < config.episodes and key[1] < config.rollouts_per_task]
+    def finished(self) -> list[dict[str, Any]]:
+        """Every finished episode of the run, in (episode, rollout) order."""
+        return [self.records[key] for key in sorted(self.records)]
+
+    def found_note(self, asked: EvalConfig, missing: int) -> str | None:
+        """What a rerun found in the directory and what it will do about it; None for a
+        fresh directory."""
+        if not self.found:
+            return None
+        planned = asked.episodes * asked.rollouts_per_task
+        note = f"found {self.found} episode{'s' * (self.found != 1)} in {self.out_dir}; " + (
+            f"running the {missing} missing of the {planned} asked for" if missing
+            else f"the {planned} asked for are all there")
+        if self.found + missing > planned:
+            whole = f"--episodes {self.config.episodes}" + (
+                f" --rollouts-per-task {self.config.rollouts_per_task}"
+                if self.config.rollouts_per_task > 1 else "")
+            note += (f"; the summary covers all {self.found + missing}, more than asked for "
+                     f"({whole} resumes the whole run; another --out starts a separate one)")
+        return note
 
     def write(self, record: dict[str, Any]) -> Awaitable[None]:
         """Log a finished episode; the returned awaitable resolves once it is durable."""
@@ -522,6 +635,13 @@ def _in_thread(
                                                                               **kwargs))
 
 
+def action_protocol(env: gymnasium.Env) -> ActionProtocol | None:
+    """The env's action protocol, through which scripted policies phrase their commands;
+    None when it has none of ours (a remote env's stays in its actor)."""
+    protocol = getattr(env.unwrapped, "protocol", None)
+    return protocol if isinstance(protocol, ActionProtocol) else None
+
+
 async def play_episode(
     env: gymnasium.Env, policy: Policy, episode: int, seed: int, task_index: int,
     *, rollout: int = 0, history_window: int | None = None,
@@ -530,14 +650,16 @@ async def play_episode(
     """One episode; env calls run in threads (``pool``, else the loop's default executor)
     so sandboxes and HTTP never block the loop.
 
-    The policy sees the chat through ``history_window`` (``agent_gym.render``); a prompt
-    that outgrows its context ends the episode ``context_length``, scored as it stands.
+    The policy sees the chat through ``history_window`` (``agent_gym.render``) and the env's
+    action protocol, when it has one of ours; a prompt that outgrows its context ends the
+    episode ``context_length``, scored as it stands.
     """
     started = time.perf_counter()
     _, info = await _in_thread(pool, env.reset, seed=seed, options={"index": task_index})
     messages = list(info["messages"])
     opening = len(messages)
     tools, privileged = info["tools"], info["privileged"]
+    protocol = action_protocol(env)
     synthetic = bool(info.get("synthetic", False))
     total_reward, invalid, turns = 0.0, 0, 0
     prompt_tokens: int | None = 0
@@ -549,7 +671,8 @@ async def play_episode(
         asked = time.perf_counter()
         try:
             reply = await policy.act(
-                PolicyInput(shown, tools, turns, privileged, info, seed=seed, rollout=rollout)
+                PolicyInput(shown, tools, turns, privileged, info, seed=seed, rollout=rollout,
+                            protocol=protocol)
             )
         except ContextLengthError as err:
             end_reason, context_error = "context_length", str(err)
@@ -607,9 +730,12 @@ async def evaluate(
     concurrency: int = 4,
     progress: bool = True,
     make_env: Callable[[], Any] | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> Summary:
     """Run the missing (episode, rollout) pairs of ``config`` into ``out_dir`` and summarise
-    all of them.
+    every episode the directory holds (never fewer than it held: see ``RunLog``).
+
+    ``notify`` is told, before anything runs, what a rerun found in ``out_dir``.
 
     ``make_env`` builds one env per concurrent episode slot; by default
     ``gymnasium.make`` in this process (``agent_gym.distributed.RemoteEnv`` puts it in a
@@ -630,6 +756,9 @@ async def evaluate(
         for rollout in range(config.rollouts_per_task):
             if (episode, rollout) not in log.records:
                 todo.put_nowait((episode, rollout))
+    note = log.found_note(config, todo.qsize())
+    if note is not None and notify is not None:
+        notify(note)
     bar = tqdm(
         total=planned, initial=planned - todo.qsize(), disable=not progress,
         desc=f"{config.env_id.removeprefix('agent_gym/')} / {config.policy}", unit="ep",
@@ -682,7 +811,7 @@ async def evaluate(
         pool.shutdown(wait=False)
         await asyncio.to_thread(log.close)
         bar.close()
-        summary = summarize(config, log.finished(config), log.errors, log.first_error,
+        summary = summarize(log.config, log.finished(), log.errors, log.first_error,
                             interrupted=not finished)
         _write_atomically(out_dir / "summary.json", json.dumps(asdict(summary), indent=2))
         close = getattr(policy, "aclose", None)
@@ -693,16 +822,17 @@ async def evaluate(
 
 def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary:
     """One policy's figures over several envs' runs (a suite): every task of every env
-    counts once, and ``summarize`` computes the intervals over all of those tasks."""
+    counts once, and ``summarize`` computes the intervals over all of those tasks; as each
+    env's summary does, it covers every episode their directories hold."""
     first = runs[0][0]
     records = [
         record
-        for config, _, out_dir in runs
-        for key, record in sorted(RunLog._recover(out_dir / EPISODES_FILE).items())
-        if key[0] < config.episodes and key[1] < config.rollouts_per_task
+        for _, _, out_dir in runs
+        for _, record in sorted(RunLog._recover(out_dir / EPISODES_FILE).items())
     ]
     config = EvalConfig("overall", first.policy, max(c.episodes for c, _, _ in runs),
-                        rollouts_per_task=min(c.rollouts_per_task for c, _, _ in runs))
+                        rollouts_per_task=min(s.rollouts_per_task for _, s, _ in runs),
+                        max_tokens=first.max_tokens)
     errors = sum(summary.errors for _, summary, _ in runs)
     first_error = next((s.first_error for _, s, _ in runs if s.first_error), None)
     return summarize(config, records, errors, first_error,

@@ -4,11 +4,12 @@ its env instances and, with a file, in any of its processes.
 Restoring an episode in a fresh process means redoing work another process on the same
 host already did (translating a game, playing its first forty steps). This store keeps
 those results: a bounded in-memory LRU per process, and optionally a SQLite file (WAL mode,
-so the worker processes of a vector env share it safely) named by the host. It is written
-only by this host's own code from what it computed itself; a client's saved state can
-select entries (by the digest of a prefix it claims) but never write or name one, so
-nothing here is trusted on a client's word. The file is a cache: a damaged or unreadable
-one is reported once and then ignored, and the store goes on in memory.
+so the worker processes of a vector env share it safely) named by the host; an env
+that is told no file uses ``default_path()``. It is written only by this host's own code
+from what it computed itself; a client's saved state can select entries (by the digest of
+a prefix it claims) but never write or name one, so nothing here is trusted on a client's
+word. The file is a cache: a damaged or unreadable one is reported once and then ignored,
+and the store goes on in memory.
 
 Keys of different uses never meet: each use has its own table. ``code_fingerprint``
 changes with any edit of this package or of the engines' versions, so entries written by
@@ -22,14 +23,17 @@ import importlib.metadata
 import os
 import sqlite3
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
+STORE_PATH_ENV = "AGENT_GYM_HOST_STORE"  # moves the default file, for every process
 MAX_MEMORY_ENTRIES = 8192  # per table per process
 MAX_FILE_ROWS = 200_000  # per table; the oldest written go first
 _PRUNE_EVERY = 1024  # writes between two prunes of the file
+BUSY_SECONDS = 30.0  # how long a process waits for another's write
 _TABLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz_")
 
 
@@ -114,8 +118,8 @@ class HostStore:
         # A connection inherited through fork must not be used: open this process's own.
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, timeout=30.0, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
+            db = sqlite3.connect(self.path, timeout=BUSY_SECONDS, check_same_thread=False)
+            _set_wal(db)
             db.execute("PRAGMA synchronous=NORMAL")  # a cache: losing the last writes is fine
             db.execute(f"CREATE TABLE IF NOT EXISTS {self.table} "
                        "(key TEXT PRIMARY KEY, value BLOB NOT NULL)")
@@ -132,6 +136,23 @@ class HostStore:
                       RuntimeWarning, stacklevel=3)
 
 
+def _set_wal(db: sqlite3.Connection) -> None:
+    """Switch ``db`` to WAL, waiting out other processes as every other statement does.
+
+    SQLite answers a journal-mode switch that meets another connection's lock with "database
+    is locked" at once, without its busy handler: processes opening a new file together
+    (the workers of a vector env, on a host's first run) lost the file to that race."""
+    deadline = time.monotonic() + BUSY_SECONDS
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if err.sqlite_errorcode != sqlite3.SQLITE_BUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 _STORES: dict[tuple[str, str | None], HostStore] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -144,6 +165,21 @@ def host_store(table: str, path: str | os.PathLike[str] | None = None) -> HostSt
         if key not in _STORES:
             _STORES[key] = HostStore(table, key[1])
         return _STORES[key]
+
+
+def default_path() -> Path:
+    """The host's store file when a caller names none: ``$AGENT_GYM_HOST_STORE``, else
+    ``host_store.sqlite`` in agent_gym's cache directory (``$AGENT_GYM_CACHE`` or
+    ``~/.cache/agent_gym``, as ``agent_gym.search.cache_root`` decides for every cache).
+
+    A default file is what makes a fresh process fast without any option: what one process
+    of this host computed, the next one reads back instead of redoing."""
+    named = os.environ.get(STORE_PATH_ENV)
+    if named:
+        return Path(named).expanduser()
+    from agent_gym.search import cache_root  # here: its HTTP client is not needed otherwise
+
+    return cache_root() / "host_store.sqlite"
 
 
 _CODE_FINGERPRINT: str | None = None

@@ -8,7 +8,8 @@ Specs for the command line:
 
 * ``oracle`` — replays the env's own solution from privileged info (an upper bound, and a
   check that every task is solvable);
-* ``random`` — a random admissible action, for envs that list them;
+* ``random`` — a random admissible action, for envs that list them, phrased in the env's
+  action protocol;
 * ``openai:MODEL@BASE_URL`` — any OpenAI-compatible chat endpoint (vLLM, SGLang,
   llama.cpp, OpenAI); the key comes from ``$OPENAI_API_KEY``; append ``#text`` to describe
   tools in the prompt instead of passing them natively (for servers that ignore ``tools``,
@@ -48,6 +49,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from agent_gym.protocols import ActionProtocol
 from agent_gym.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call
 
 
@@ -106,7 +108,12 @@ def derive_seed(*parts: object) -> int:
 @dataclass
 class PolicyInput:
     """What a policy may look at. Model policies read only ``messages`` and ``tools``;
-    ``privileged`` and ``info`` are there for scripted baselines.
+    ``privileged``, ``info`` and ``protocol`` are there for scripted baselines.
+
+    ``protocol`` is the env's action protocol (its ``protocol`` attribute), through which a
+    scripted policy phrases a command the way the env parses it; None when the env has
+    none, which means it takes a command as plain text, unless it offers tools (then how
+    to call them is unknown, and a scripted policy must refuse rather than guess).
 
     ``messages`` may be a window of the episode's chat (``agent_gym.render.window_messages``):
     a policy that keeps state across turns must check that they extend what it saw before.
@@ -122,6 +129,7 @@ class PolicyInput:
     info: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     rollout: int = 0
+    protocol: ActionProtocol | None = None
 
 
 @dataclass
@@ -164,7 +172,9 @@ class RandomAdmissiblePolicy:
     """A uniformly random admissible action: the floor any learned policy must beat.
 
     Each choice is seeded by the episode's opening chat and the turn, not by a shared
-    stream, so concurrent or resumed runs choose exactly as a sequential one would.
+    stream, so concurrent or resumed runs choose exactly as a sequential one would. The
+    command is phrased in the env's protocol: ALFWorld's default protocol takes a tool
+    call, and bare commands sent to it were all refused, a floor of 0 that measured nothing.
     """
 
     name = "random"
@@ -181,7 +191,26 @@ class RandomAdmissiblePolicy:
         rollout = f":{observation.rollout}" if observation.rollout else ""
         key = f"{self.seed}:{observation.turn}:{opening}{rollout}".encode()
         rng = random.Random(hashlib.sha256(key).digest())
-        return Reply(rng.choice(list(admissible)))
+        return Reply(phrase_action(observation, rng.choice(list(admissible))))
+
+
+def phrase_action(observation: PolicyInput, command: str) -> str:
+    """``command`` as a reply the env reads back as exactly that command.
+
+    Raises ``PolicyError`` when the env's protocol cannot carry it, or when the env offers
+    tools without saying how to call them: a reply the env would refuse measures nothing.
+    """
+    if observation.protocol is None:
+        if observation.tools:
+            raise PolicyError(
+                "this env offers tools but exposes no action protocol (env.unwrapped.protocol), "
+                "so a scripted policy cannot tell how to call them"
+            )
+        return command
+    try:
+        return observation.protocol.format(command)
+    except ValueError as err:
+        raise PolicyError(str(err)) from err
 
 
 # --------------------------------------------------------------------- OpenAI-compatible

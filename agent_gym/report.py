@@ -89,15 +89,18 @@ def render_report(runs: Sequence[Run], comparisons: Sequence[Compared] = ()) -> 
 # ------------------------------------------------------------------------------ summary
 def _summary_table(runs: Sequence[Run]) -> str:
     head = ("run", "env", "policy", "episodes", "success [95% CI]", "mean reward [95% CI]",
-            "pass@k [95% CI]", "end reasons", "turns", "tokens", "latency p50 / p95 s",
-            "errors", "directory")
+            "pass@k [95% CI]", "end reasons", "turns", "tokens", "invalid actions",
+            "cut replies", "latency p50 / p95 s", "errors", "directory")
     rows = []
+    warnings = []
     for index, run in enumerate(runs):
         s = run.summary()
+        counts = s.reply_counts()
+        warnings += [f"<li class='warn'>run {index + 1}: {_e(note)}</li>" for note in s.notes]
         synthetic = " <span class='warn'>(synthetic data)</span>" if s.synthetic else ""
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in (
             f"<a href='#run-{index}'>{index + 1}</a>", _e(s.env_id) + synthetic, _e(s.policy),
-            f"{s.episodes} of {run.config.episodes}",
+            f"{s.episodes} of {run.config.episodes * run.config.rollouts_per_task}",
             f"{_figure(s.success_rate, '.3f')} [{s.success_low:.3f}, {s.success_high:.3f}]"
             f" <small>{_e(s.success_interval)}</small>",
             f"{_figure(s.mean_reward, '.3f')}{_interval(s.reward_low, s.reward_high)}",
@@ -105,6 +108,9 @@ def _summary_table(runs: Sequence[Run]) -> str:
             _e(", ".join(f"{reason} {count}" for reason, count in s.end_reasons.items())),
             _figure(s.mean_turns, ".1f"),
             _figure(s.mean_tokens, ".0f"),
+            f"{_figure(counts.invalid_share, '.2f')} <small>{counts.invalid} of "
+            f"{counts.actions}</small>",
+            f"{_figure(counts.cut_share, '.2f')} <small>{counts.cut} of {counts.episodes}</small>",
             f"{_figure(s.latency_p50, '.2f')} / {_figure(s.latency_p95, '.2f')}",
             str(s.errors), f"<code>{_e(run.path)}</code>",
         )) + "</tr>")
@@ -119,15 +125,16 @@ def _summary_table(runs: Sequence[Run]) -> str:
             others.append(f"<li>run {index + 1}: <code>"
                           f"{_e(json.dumps(extra, ensure_ascii=False))}</code></li>")
     other_list = f"<ul class='other-figures'>{''.join(others)}</ul>" if others else ""
+    warning_list = (f"<ul class='summary-notes'>{''.join(warnings)}</ul>" if warnings else "")
     return (f"<h2>Summary</h2><table id='summary'><thead><tr>{header}</tr></thead>"
-            f"<tbody>{''.join(rows)}</tbody></table>{other_list}")
+            f"<tbody>{''.join(rows)}</tbody></table>{warning_list}{other_list}")
 
 
 _SUMMARY_SHOWN = frozenset({
     "env_id", "policy", "episodes", "errors", "success_rate", "success_low", "success_high",
     "mean_reward", "mean_turns", "mean_tokens", "latency_p50", "latency_p95", "synthetic",
     "success_interval", "reward_low", "reward_high", "pass_at_k", "end_reasons",
-    "rollouts_per_task", "tasks",
+    "rollouts_per_task", "tasks", "notes", "actions", "invalid_actions", "cut_replies",
 })
 
 
@@ -186,6 +193,9 @@ def _comparison_section(compared: Compared, index_of: dict[int, int], anchors: _
     if comparison.only_in_a or comparison.only_in_b:
         parts.append(f"<p>Unpaired episodes left out: {comparison.only_in_a} of A, "
                      f"{comparison.only_in_b} of B.</p>")
+    if comparison.notes:
+        parts.append("<ul class='summary-notes'>" + "".join(
+            f"<li class='warn'>{_e(note)}</li>" for note in comparison.notes) + "</ul>")
     side_a = {index_of[id(run)] for run in compared.side_a}
     side_b = {index_of[id(run)] for run in compared.side_b}
     for title, keys in (("Fixed: failed in A, solved in B", comparison.fixed),

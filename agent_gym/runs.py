@@ -6,8 +6,11 @@ A run directory may come from a run that was killed (a half-written last line of
 after an earlier attempt's), or made by a newer or older eval (config fields this code does
 not know). Reading never changes the directory: a half-written line is left where it is (a
 resume cuts it), an unreadable line is skipped and reported, and an episode number logged
-twice keeps its first line, as the resume does. The figures are always recomputed from the
-episodes with the eval's own ``summarize``, so a killed run's report is as current as its log.
+twice keeps its first line, as the resume does. Every episode the log holds is read, even
+one past the counts of ``config.json`` (an older eval shrank them when rerun with fewer
+``--episodes``), and such a run says so in its notes. The figures are always recomputed from
+the episodes with the eval's own ``summarize``, so a killed run's report is as current as its
+log.
 
 Episodes are keyed by ``(env_id, task_id, rollout)``, which is what makes two runs
 comparable: episode ``i`` of two runs with different seeds plays different tasks, the same
@@ -52,7 +55,10 @@ class RunDirError(ValueError):
 
 @dataclass(frozen=True)
 class Run:
-    """One run directory: its config, its finished episodes and what could not be read."""
+    """One run directory: its config, its finished episodes and what could not be read.
+
+    ``config`` covers every episode of the log (``EvalConfig.covering``), as the eval's
+    own summary does."""
 
     path: Path
     config: EvalConfig
@@ -97,11 +103,17 @@ def read_run(path: Path) -> Run:
             notes.append(f"episode {_named(number)} is logged twice; the first line is kept")
             continue
         by_number[number] = record
+    covered = config.covering(by_number)
+    if covered != config:
+        beyond = sum(episode >= config.episodes or rollout >= config.rollouts_per_task
+                     for episode, rollout in by_number)
+        notes.append(f"{EPISODES_FILE} holds {beyond} episode{'s' * (beyond != 1)} beyond "
+                     f"{CONFIG_FILE}'s {_extent(config)} (a rerun with fewer --episodes by "
+                     "an older agent-gym shrank it); every episode is read")
+        config = covered
     episodes: dict[EpisodeKey, dict[str, Any]] = {}
     seen: dict[tuple[str, str], int] = {}
     for number in sorted(by_number):
-        if number[0] >= config.episodes or number[1] >= config.rollouts_per_task:
-            continue  # logged by an earlier, longer run: not part of this one's figures
         record = by_number[number]
         task = (config.env_id, str(record["task_id"]))
         rollout = record.get("rollout")
@@ -120,6 +132,11 @@ def read_run(path: Path) -> Run:
         for item in _read_rescore(path / RESCORE_FILE, notes)
     }
     return Run(path, config, episodes, errors, notes, rescored)
+
+
+def _extent(config: EvalConfig) -> str:
+    rollouts = config.rollouts_per_task
+    return f"{config.episodes} episodes" + (f" of {rollouts} rollouts" if rollouts > 1 else "")
 
 
 def _named(key: tuple[int, int]) -> str:

@@ -109,7 +109,7 @@ def register(commands: Any, add_env_arg: AddEnvArg) -> None:
         "view", help="write a static HTML report of eval runs (opens from disk)",
         description="Read each RUN (an eval --out directory, or a suite's, with a run per env "
         "below it) as written, even killed or resumed, and write one self-contained HTML file: "
-        "summary with 95%% intervals, histograms, every episode's full transcript with "
+        "summary with 95% intervals, histograms, every episode's full transcript with "
         "filters; runs of the same tasks are linked and compared with the first RUN.",
     )
     view.add_argument("runs", nargs="+", metavar="RUN", help="eval run directories")
@@ -123,7 +123,7 @@ def register(commands: Any, add_env_arg: AddEnvArg) -> None:
     comparison = commands.add_parser(
         "compare", help="compare runs on the tasks they share, with paired intervals",
         description="Pair the episodes of each later RUN with RUN_A's by env, task and rollout; "
-        "print per env the success of both, the difference with Newcombe's paired 95%% "
+        "print per env the success of both, the difference with Newcombe's paired 95% "
         "interval, mean rewards, and the tasks that flipped.",
     )
     comparison.add_argument("runs", nargs="+", metavar="RUN",

@@ -2,7 +2,7 @@
 
 Most RL frameworks that reach environments over the network (TRL, SkyRL, ART, verifiers,
 NeMo-Gym) speak OpenEnv's protocol, so one server makes every agent_gym env usable from all
-of them. The wire format follows ``openenv-core`` 0.3.0 (``openenv.core.env_server``):
+of them. The wire format follows OpenEnv's ``openenv`` package (``openenv.core.env_server``):
 
 * WebSocket ``/ws``: one session (one env) per connection. Client frames are
   ``{"type": "reset"|"step"|"state"|"close", "data": {...}}``; replies are
@@ -43,11 +43,13 @@ from typing import Any, TypeVar
 
 import gymnasium
 
+from agent_gym.extras import install_hint
+
 try:
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import Response
 except ImportError as err:  # the server's stack is an optional extra
-    raise ImportError("agent-gym serve needs FastAPI: pip install 'agent-gym[serve]'") from err
+    raise ImportError(f"agent-gym serve needs FastAPI: {install_hint('serve')}") from err
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
 from agent_gym.core import TextEnv, _json_kwargs
@@ -55,7 +57,7 @@ from agent_gym.state import EnvState, StateError
 
 log = logging.getLogger(__name__)
 
-OPENENV_VERSION_MATCHED = "openenv-core 0.3.0"
+OPENENV_VERSION_MATCHED = "openenv 0.4.1"
 DEFAULT_MAX_SESSIONS = 64
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20

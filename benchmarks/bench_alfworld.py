@@ -8,13 +8,18 @@
 - restore at depths 10/20/40: the fast path (snapshots this env took) vs the base class's
   full replay in the same env (game loaded, snapshots and host store off); a fresh
   instance in this process (host store: the planner's moves redone); and in a **fresh
-  process** (``python`` started anew, env made, then the timed restore) with the host store
-  file vs without it (the full replay: translate + load + every step), every one checked
-  to give the same observation (the digest check is always on);
+  process** (``python`` started anew, env made with no option, then the timed restore):
+  the default host store vs ``restore_store=False`` (the full replay: translate + load +
+  every step), every one checked to give the same observation (the digest check is always
+  on);
 - episodes: oracle episodes on random bundled games (every game's translation already
-  in the host store file) through one env in one process vs an ``AsyncVectorEnv(2)``
-  with next-step autoreset, in episodes per second;
+  in the host store) through one env in one process vs an ``AsyncVectorEnv(2)`` with
+  next-step autoreset, in episodes per second;
 - generate: seconds per verified game, one per task type.
+
+Every env is made as a user makes it, without ``restore_store``: the host store is the
+default file, in ``$AGENT_GYM_CACHE``, which the benchmark points at a scratch directory
+so that each run starts from an empty store and leaves nothing in the user's cache.
 
     python benchmarks/bench_alfworld.py [--out benchmarks/results/alfworld.json]
 """
@@ -45,6 +50,7 @@ from agent_gym.alfworld.engine import Engine
 from agent_gym.alfworld.games import TASK_TYPES, bundled_root, find_games, read_game
 from agent_gym.alfworld.generate import generate_game
 from agent_gym.envs.alfworld import ALFWorldEnv
+from agent_gym.hoststore import STORE_PATH_ENV
 
 ENV = "agent_gym/ALFWorld-v0"
 DEPTHS = (10, 20, 40)
@@ -97,11 +103,12 @@ def raw_textworld(game_file: Path, commands: list[str]) -> dict[str, Any]:
 
 
 def restore_in_child(state_file: str, store: str) -> None:
-    """The fresh-process restore: this process has imported agent_gym and made the env;
-    prints how long the restore took and the observation it gave."""
+    """The fresh-process restore: this process has imported agent_gym and made the env
+    (``store`` "default": no option; "off": ``restore_store=False``); prints how long the
+    restore took and the observation it gave."""
     state = Path(state_file).read_text()
-    env: ALFWorldEnv = gymnasium.make(ENV, split="train", task_types=[4],
-                                      restore_store=store or None).unwrapped
+    off = {"restore_store": False} if store == "off" else {}
+    env: ALFWorldEnv = gymnasium.make(ENV, split="train", task_types=[4], **off).unwrapped
     start = time.perf_counter()
     observation, info = env.reset(options={"state": state})
     seconds = time.perf_counter() - start
@@ -110,25 +117,24 @@ def restore_in_child(state_file: str, store: str) -> None:
                       "source": info["snapshot_source"], "skipped": info["snapshot_depth"]}))
 
 
-def fresh_process_restore(state_json: str, store: Path | None, expected: str) -> float:
+def fresh_process_restore(state_json: str, store: str, expected: str) -> float:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         handle.write(state_json)
     try:
         done = subprocess.run(
-            [sys.executable, __file__, "--child-restore", handle.name, str(store or "")],
+            [sys.executable, __file__, "--child-restore", handle.name, store],
             capture_output=True, text=True, check=True, timeout=600)
     finally:
         os.unlink(handle.name)
     answer = json.loads(done.stdout.splitlines()[-1])
     assert answer["observation"] == expected, "the fresh process restored somewhere else"
-    assert (answer["source"] == "store") == (store is not None), answer
+    assert (answer["source"] == "store") == (store == "default"), answer
     return float(answer["seconds"])
 
 
-def oracle_episodes_one_process(store: Path, episodes: int) -> float:
+def oracle_episodes_one_process(episodes: int) -> float:
     """Episodes per second of one env in this process, playing each game's walkthrough."""
-    env = gymnasium.make(ENV, split="train", task_types=EPISODE_TASK_TYPES,
-                         restore_store=str(store))
+    env = gymnasium.make(ENV, split="train", task_types=EPISODE_TASK_TYPES)
     start = time.perf_counter()
     _, info = env.reset(seed=1)
     for _ in range(episodes):
@@ -141,14 +147,13 @@ def oracle_episodes_one_process(store: Path, episodes: int) -> float:
     return episodes / seconds
 
 
-def oracle_episodes_async_vector(store: Path, episodes: int, num_envs: int = 2) -> float:
+def oracle_episodes_async_vector(episodes: int, num_envs: int = 2) -> float:
     """Episodes per second of an AsyncVectorEnv whose sub-envs reset themselves on the
     step after an episode ends (next-step autoreset): no batch ever waits for a reset
     outside a step, and with games translated once per host a reset costs milliseconds."""
     vec = gymnasium.make_vec(ENV, num_envs=num_envs, vectorization_mode="async",
                              vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP},
-                             split="train", task_types=EPISODE_TASK_TYPES,
-                             restore_store=str(store))
+                             split="train", task_types=EPISODE_TASK_TYPES)
     start = time.perf_counter()
     _, infos = vec.reset(seed=[1 + i for i in range(num_envs)])
     plans = [list(infos["privileged"]["oracle_actions"][i]) for i in range(num_envs)]
@@ -176,15 +181,18 @@ def main() -> None:
         restore_in_child(*args.child_restore)
         return
     scratch = tempfile.TemporaryDirectory()
-    store = Path(scratch.name) / "store.sqlite"
+    # The default host store, in a cache directory of this run's own (children inherit it)
+    os.environ["AGENT_GYM_CACHE"] = scratch.name
+    os.environ.pop(STORE_PATH_ENV, None)
     results: dict[str, Any] = {
         "python": platform.python_version(), "cpus": os.cpu_count(),
         "load_average_at_start": round(os.getloadavg()[0], 2), "uptime_at_start": uptime(),
+        "host_store": "the default file (no restore_store) in a scratch $AGENT_GYM_CACHE",
     }
     refs = find_games(bundled_root() / "train", ("pick_heat_then_place_in_recep",))
     kitchen, other = sorted(refs, key=lambda r: r.path.stat().st_size)[-1:-3:-1]
     env: ALFWorldEnv = gymnasium.make(ENV, split="train", task_types=[4],
-                                      render_mode="ansi", restore_store=str(store)).unwrapped
+                                      render_mode="ansi").unwrapped
     _, info = env.reset(options={"task_id": kitchen.task_id})
     walkthrough = info["privileged"]["walkthrough"]
     results["game"] = {"task_id": kitchen.task_id, "admissible_at_start":
@@ -236,15 +244,15 @@ def main() -> None:
             warm.append(timed(lambda s=state: env.reset(options={"state": s})))
             env._store = kept
             assert env.render().endswith(expected)
-            fresh = gymnasium.make(ENV, split="train", task_types=[4], render_mode="ansi",
-                                   restore_store=str(store)).unwrapped
+            fresh = gymnasium.make(ENV, split="train", task_types=[4],
+                                   render_mode="ansi").unwrapped
             start = time.perf_counter()
             source = fresh.reset(options={"state": state})[1]["snapshot_source"]
             instance.append(time.perf_counter() - start)
             assert source == "store" and fresh.render().endswith(expected)
             fresh.close()
-            child_store.append(fresh_process_restore(state.to_json(), store, expected))
-            child_replay.append(fresh_process_restore(state.to_json(), None, expected))
+            child_store.append(fresh_process_restore(state.to_json(), "default", expected))
+            child_replay.append(fresh_process_restore(state.to_json(), "off", expected))
         replay = statistics.median(child_replay)
         results["restore"][str(depth)] = {
             "fast_ms": median_ms(fast), "replay_same_env_ms": median_ms(warm),
@@ -263,14 +271,13 @@ def main() -> None:
 
     # episodes: translate every game of the set into the store first, as a host that has
     # seen them once would have; both paths then run on the same warm host
-    warmup = gymnasium.make(ENV, split="train", task_types=EPISODE_TASK_TYPES,
-                            restore_store=str(store)).unwrapped
+    warmup = gymnasium.make(ENV, split="train", task_types=EPISODE_TASK_TYPES).unwrapped
     for index in range(warmup.num_tasks):
         warmup.reset(options={"index": index})
     games = warmup.num_tasks
     warmup.close()
-    one = oracle_episodes_one_process(store, EPISODES)
-    vector = oracle_episodes_async_vector(store, EPISODES)
+    one = oracle_episodes_one_process(EPISODES)
+    vector = oracle_episodes_async_vector(EPISODES)
     results["episodes"] = {"games": games, "episodes": EPISODES,
                            "one_process_per_s": round(one, 3),
                            "async_vector_2_next_step_per_s": round(vector, 3),

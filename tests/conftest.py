@@ -20,6 +20,7 @@ import ctypes
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,12 +29,18 @@ from pathlib import Path
 import pytest
 
 import agent_gym  # noqa: F401
+from agent_gym.hoststore import STORE_PATH_ENV
 from agent_gym.sandbox.process import nursery_pid
 
 # One torch thread per test process (`make test` runs one pytest worker per core): the local
 # backend's default takes the free cores, and on a loaded 2-core machine two threads ran up
 # to 13x slower than one.
 os.environ.setdefault("AGENT_GYM_THREADS", "1")
+# The host store defaults to a file in the user's cache: each session (each xdist worker)
+# has its own instead, new at the start and removed at exit, so tests neither read what a
+# host computed before nor leave anything there. Subprocesses inherit it.
+_HOST_STORE_DIR = tempfile.TemporaryDirectory(prefix="agent-gym-test-host-store-")
+os.environ[STORE_PATH_ENV] = str(Path(_HOST_STORE_DIR.name) / "host_store.sqlite")
 
 NOBODY = 65534  # the uid sandboxes run as when the host is root
 LEFTOVER_GRACE = 10.0  # seconds for torn-down sandboxes to finish exiting

@@ -266,3 +266,56 @@ def test_every_option_of_every_env_command_has_help(capsys: pytest.CaptureFixtur
     missing = [f"{where}: {action.dest}" for where, action in walk(build_parser())
                if not action.help]
     assert missing == []
+
+
+def test_no_help_text_shows_an_escape_or_a_default_twice() -> None:
+    """Issue 33: `--help` of eval, view and compare printed "95%%", and options whose help
+    names their default got a second one appended ("(default: 10, ...) (default: None)")."""
+    import argparse
+    import re
+
+    from agent_gym.cli import _plugins_for, build_parser
+
+    def walk(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+        found = [parser]
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in dict.fromkeys(action.choices.values()):  # aliases repeat a parser
+                    found += walk(sub)
+        return found
+
+    parsers = walk(build_parser(_plugins_for([])))  # every plugin command too (train)
+    assert {"agent-gym eval", "agent-gym view", "agent-gym compare"} <= {p.prog for p in parsers}
+    escaped = [parser.prog for parser in parsers if "%%" in parser.format_help()]
+    twice = [
+        f"{parser.prog} {action.dest}: {text}"
+        for parser in parsers for action in parser._actions if action.help
+        for text in [" ".join(parser._get_formatter()._expand_help(action).split())]
+        if len(re.findall(r"\bdefault:", text, re.IGNORECASE)) > 1
+    ]
+    assert (escaped, twice) == ([], [])
+
+
+def test_eval_prints_invalid_shares_and_what_a_rerun_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33: the table hid that every action was refused, and a rerun with fewer
+    --episodes silently shrank summary.json."""
+    from tests.helpers.openai_server import Behaviour, ChatServer
+
+    out = tmp_path / "run"
+    with ChatServer(Behaviour(reply=lambda body: {"content": "I am not sure."})) as server:
+        command = ["eval", GSM8K, "--policy", f"openai:m@{server.url}", "--quiet",
+                   "--out", str(out)]
+        assert main([*command, "--episodes", "3"]) == 0
+        first = capsys.readouterr()
+        header, _, row = first.out.splitlines()[:3]
+        start = header.index("invalid")
+        assert row[start:].split()[:2] == ["1.00", "0.00"]  # invalid, cut
+        assert (f"agent-gym eval: {GSM8K} / openai:m@{server.url}: most actions were invalid "
+                "(3 of 3)") in first.err
+        assert "found" not in first.err
+        assert main([*command, "--episodes", "2"]) == 0
+    again = capsys.readouterr()
+    assert f"agent-gym eval: found 3 episodes in {out}; the 2 asked for are all there" in again.err
+    assert json.loads((out / "summary.json").read_text())["episodes"] == 3

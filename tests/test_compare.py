@@ -63,3 +63,47 @@ def test_runs_without_shared_tasks_are_a_one_line_error(
     assert len(err) == 1 and "no task in common" in err[0]
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_compare_and_its_report_show_invalid_actions_and_cut_replies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33: a side whose every reply was cut (or refused) read as a plain 0.000."""
+    import re
+
+    from agent_gym.policies import PolicyInput, Reply
+
+    class Cut:
+        name = "cut"
+
+        async def act(self, observation: PolicyInput) -> Reply:
+            return Reply(observation.privileged["oracle_actions"][0], cut=True)
+
+    class Unboxed:  # GSM8K refuses a reply without a boxed answer
+        name = "unboxed"
+
+        async def act(self, observation: PolicyInput) -> Reply:
+            return Reply("I am not sure.")
+
+    make_run(tmp_path / "a", episodes=4)
+    make_run(tmp_path / "cut", Cut(), episodes=4)
+    make_run(tmp_path / "unboxed", Unboxed(), episodes=4)
+    html = tmp_path / "compare.html"
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "cut"), str(tmp_path / "unboxed"),
+                 "--html", str(html)]) == 0
+    cut, unboxed = capsys.readouterr().out.split("\n\n")
+
+    def cells(text: str) -> dict[str, str]:
+        lines = text.splitlines()
+        rule = next(i for i, line in enumerate(lines) if line.startswith("---"))
+        spans = [m.span() for m in re.finditer(r"-+", lines[rule])]
+        return {lines[rule - 1][a:b].strip(): lines[rule + 1][a:b].strip() for a, b in spans}
+
+    assert (cells(cut)["invalid A/B"], cells(cut)["cut A/B"]) == ("0.00/-", "0.00/1.00")
+    assert (cells(unboxed)["invalid A/B"], cells(unboxed)["cut A/B"]) == ("0.00/1.00", "0.00/0.00")
+    assert "note: B: most replies were cut by --max-tokens 256: raise it" in cut
+    assert "note: B: most actions were invalid (4 of 4)" in unboxed
+    assert "note: A:" not in cut + unboxed
+    page = html.read_text()
+    assert "<th>invalid actions</th>" in page and "<th>cut replies</th>" in page
+    assert "most replies were cut by --max-tokens 256: raise it" in page

@@ -1,6 +1,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -266,3 +267,112 @@ def test_after_a_failed_commit_no_line_is_acknowledged(
     finally:
         log.close()
     assert all(isinstance(o, OSError) and "No space" in str(o) for o in outcomes)
+
+
+def test_random_policy_plays_valid_calls_in_either_alfworld_protocol(tmp_path: Path) -> None:
+    """Issue 33: random sent bare commands to ALFWorld's default tool protocol, which refused
+    every one, and the table showed a believable 0.00."""
+    for protocol in ("tool", "text"):
+        config = EvalConfig("agent_gym/ALFWorld-v0", "random", episodes=2,
+                            env_kwargs={"protocol": protocol, "max_turns": 4})
+        asyncio.run(evaluate(config, make_policy("random"), tmp_path / protocol,
+                             concurrency=1, progress=False))
+        records = read_episodes(tmp_path / protocol)
+        assert len(records) == 2 and sum(r["turns"] for r in records) == 8
+        assert [r["invalid_actions"] for r in records] == [0, 0], protocol
+        replies = [m["content"] for r in records for m in r["transcript"]
+                   if m["role"] == "assistant"]
+        assert all(("<tool_call>" in reply) == (protocol == "tool") for reply in replies)
+
+
+def test_random_policy_refuses_to_phrase_an_action_it_cannot_know_how_to() -> None:
+    from agent_gym.envs.alfworld import STEP_TOOL
+    from agent_gym.protocols import PlainTextProtocol, TagProtocol
+
+    policy = make_policy("random")
+    chat = [{"role": "user", "content": "task"}]
+
+    def act(tools: list, protocol: object, admissible: list[str]) -> str:
+        observation = PolicyInput(chat, tools, 0, info={"admissible_actions": admissible},
+                                  protocol=protocol)
+        return asyncio.run(policy.act(observation)).text
+
+    assert act([], None, ["look"]) == "look"  # an env without a protocol takes plain text
+    assert act([], PlainTextProtocol(), ["look"]) == "look"
+    # Tools offered but no protocol to call them with: a bare command would be refused.
+    with pytest.raises(PolicyError, match="no action protocol"):
+        act([STEP_TOOL.openai_schema()], None, ["look"])
+    with pytest.raises(PolicyError, match="cannot carry"):
+        act([], TagProtocol("search", "information", "query"), ["a </search> b"])
+
+
+def test_the_table_shows_invalid_actions_and_cut_replies_and_notes_when_they_dominate(
+    tmp_path: Path,
+) -> None:
+    """Issue 33: SmolLM2 at --max-tokens 128 had every reply cut and the table said 0.00."""
+    from typing import Any
+
+    from agent_gym.eval import Summary, format_table
+    from agent_gym.policies import Reply
+
+    class Unboxed:  # GSM8K refuses a reply without a boxed answer
+        name = "unboxed"
+
+        async def act(self, observation: PolicyInput) -> Reply:
+            return Reply("I am not sure.")
+
+    class Cut:
+        name = "cut"
+
+        async def act(self, observation: PolicyInput) -> Reply:
+            return Reply(observation.privileged["oracle_actions"][0], cut=True)
+
+    def run(policy: Any, **settings: int) -> Summary:
+        config = EvalConfig(GSM8K, policy.name, episodes=3, **settings)
+        return asyncio.run(evaluate(config, policy, tmp_path / policy.name, progress=False))
+
+    oracle, unboxed, cut = run(OraclePolicy()), run(Unboxed()), run(Cut(), max_tokens=128)
+    assert (unboxed.invalid_actions, unboxed.actions) == (3, 3) and unboxed.cut_replies == 0
+    assert (cut.actions, cut.cut_replies) == (0, 3)
+    lines = format_table([oracle, unboxed, cut]).splitlines()
+    spans = [m.span() for m in re.finditer(r"-+", lines[1])]  # the rule under the header
+    rows = [{lines[0][a:b].strip(): line[a:b].strip() for a, b in spans} for line in lines[2:]]
+    assert [(row["policy"], row["invalid"], row["cut"]) for row in rows] == [
+        ("oracle", "0.00", "0.00"), ("unboxed", "1.00", "0.00"), ("cut", "-", "1.00")]
+    assert oracle.notes == []
+    assert any(n.startswith("most actions were invalid (3 of 3)") for n in unboxed.notes)
+    assert any(n.startswith("most replies were cut by --max-tokens 128: raise it")
+               for n in cut.notes)
+    saved = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert saved["notes"] == cut.notes and saved["cut_replies"] == 3
+
+
+def test_a_rerun_with_fewer_episodes_never_shrinks_what_the_run_reports(tmp_path: Path) -> None:
+    """Issue 33: a rerun into a 6-episode --out with --episodes 3 rewrote summary.json (and
+    what compare and view read) to 3 episodes without a word."""
+    from agent_gym.compare import compare
+    from agent_gym.runs import read_run
+
+    told: list[str] = []
+    asyncio.run(evaluate(EvalConfig(GSM8K, "oracle", episodes=6), OraclePolicy(), tmp_path,
+                         progress=False, notify=told.append))
+    assert told == []  # a fresh directory has nothing to report
+    summary = asyncio.run(evaluate(EvalConfig(GSM8K, "oracle", episodes=3), OraclePolicy(),
+                                   tmp_path, progress=False, notify=told.append))
+    assert summary.episodes == 6
+    assert json.loads((tmp_path / "summary.json").read_text())["episodes"] == 6
+    assert json.loads((tmp_path / "config.json").read_text())["episodes"] == 6
+    (note,) = told
+    assert note.startswith(f"found 6 episodes in {tmp_path}; the 3 asked for are all there")
+    assert "covers all 6" in note and "--episodes 6" in note
+    run = read_run(tmp_path)
+    assert run.summary().episodes == 6 and run.notes == []
+    assert compare([run], [run], "A", "B").overall.pairs == 6
+    # A resume that runs the missing episodes says so too.
+    lines = (tmp_path / "episodes.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "episodes.jsonl").write_text("".join(lines[:4]))
+    told.clear()
+    resumed = asyncio.run(evaluate(EvalConfig(GSM8K, "oracle", episodes=6), OraclePolicy(),
+                                   tmp_path, progress=False, notify=told.append))
+    assert resumed.episodes == 6
+    assert told == [f"found 4 episodes in {tmp_path}; running the 2 missing of the 6 asked for"]

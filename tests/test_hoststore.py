@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agent_gym.hoststore import HostStore, code_fingerprint, host_store
+from agent_gym.hoststore import (
+    STORE_PATH_ENV,
+    HostStore,
+    code_fingerprint,
+    default_path,
+    host_store,
+)
 
 
 def test_memory_is_bounded_least_recently_used_first_out() -> None:
@@ -44,6 +52,45 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
     assert child.exitcode == 0
     parent.clear_memory()
     assert parent.get_many(["parent", "child"]) == {"parent": b"yes", "child": b"yes"}
+
+
+def _open_together_and_write(path: str, index: int, barrier: Any) -> None:
+    store = HostStore("things", path)
+    barrier.wait()  # every process opens the new file at once (its first put opens it)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "unusable": this process lost the file
+        for n in range(5):
+            store.put(f"{index}:{n}", b"yes")
+
+
+def test_processes_opening_a_new_file_together_all_keep_it(tmp_path: Path) -> None:
+    """SQLite refuses a switch to WAL that meets another process's without waiting (about
+    one round in five lost a process to it): the workers of a vector env, opening the
+    host's default file on its first run, must all keep it. A race, so many rounds."""
+    context = multiprocessing.get_context("fork")
+    processes, rounds = 8, 30
+    for attempt in range(rounds):
+        path = str(tmp_path / f"store{attempt}.sqlite")
+        barrier = context.Barrier(processes)
+        children = [context.Process(target=_open_together_and_write, args=(path, i, barrier))
+                    for i in range(processes)]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(60)
+        assert [child.exitcode for child in children] == [0] * processes, f"round {attempt}"
+        keys = [f"{i}:{n}" for i in range(processes) for n in range(5)]
+        assert len(HostStore("things", path).get_many(keys)) == len(keys)
+
+
+def test_the_default_file_is_in_the_cache_directory_unless_moved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(STORE_PATH_ENV, raising=False)
+    monkeypatch.setenv("AGENT_GYM_CACHE", str(tmp_path / "cache"))
+    assert default_path() == tmp_path / "cache" / "host_store.sqlite"
+    monkeypatch.setenv(STORE_PATH_ENV, str(tmp_path / "elsewhere.sqlite"))
+    assert default_path() == tmp_path / "elsewhere.sqlite"
 
 
 def test_a_damaged_file_is_reported_once_and_memory_goes_on(tmp_path: Path) -> None:

@@ -65,3 +65,17 @@ def test_train_command_and_sampler_policies_come_from_entry_points() -> None:
     assert {"local", "pytrio"} <= set(plugin_policies())
     parser = build_parser(list(entry_points(group="agent_gym.commands")))
     assert parser.parse_args(["train", "grpo", "--steps", "2"]).argv == ["--steps", "2"]
+
+
+def test_missing_extra_messages_name_a_command_that_works_from_a_clone() -> None:
+    """The package is not on PyPI: ``pip install 'agent-gym[x]'`` answers "No matching
+    distribution", so every hint goes through ``install_hint``."""
+    from agent_gym.extras import install_hint
+
+    assert install_hint("search") == (
+        "install the 'search' extra (in the agent-gym checkout: pip install -e '.[search]')")
+    root = Path(__file__).resolve().parents[1]
+    offenders = [str(path.relative_to(root)) for package in ("agent_gym", "trainers")
+                 for path in (root / package).rglob("*.py")
+                 if "pip install 'agent-gym[" in path.read_text(encoding="utf-8")]
+    assert offenders == []

@@ -39,11 +39,17 @@ def test_rollouts_key_episodes_apart(tmp_path: Path) -> None:
     write_episodes(run, same_task)
     task = records[0]["task_id"]
     assert list(read_run(run).episodes) == [(GSM8K, task, 0), (GSM8K, task, 1), (GSM8K, task, 2)]
-    # ...and a recorded rollout index is taken as it is, within the run's rollouts per task.
+    # ...and a recorded rollout index is taken as it is, even past the run's rollouts per
+    # task (what an older eval left when rerun with fewer), which the notes say.
     config = run / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "rollouts_per_task": 5}))
     write_episodes(run, [{**r, "rollout": 5 - i} for i, r in enumerate(same_task)])
-    assert list(read_run(run).episodes) == [(GSM8K, task, 4), (GSM8K, task, 3)]  # 5 is past it
+    read = read_run(run)
+    assert list(read.episodes) == [(GSM8K, task, 5), (GSM8K, task, 4), (GSM8K, task, 3)]
+    assert read.config.rollouts_per_task == 6
+    assert read.notes == ["episodes.jsonl holds 1 episode beyond config.json's 3 episodes of 5 "
+                          "rollouts (a rerun with fewer --episodes by an older agent-gym shrank "
+                          "it); every episode is read"]
 
 
 def test_a_newer_config_and_a_suite_directory_are_read(tmp_path: Path) -> None:
@@ -58,3 +64,19 @@ def test_a_newer_config_and_a_suite_directory_are_read(tmp_path: Path) -> None:
         find_runs(tmp_path / "empty")
     with pytest.raises(RunDirError, match="not a directory"):
         find_runs(tmp_path / "missing")
+
+
+def test_a_run_shrunk_by_an_older_eval_is_read_whole_and_says_so(tmp_path: Path) -> None:
+    """Issue 33: an older eval rerun with --episodes 3 into a 6-episode run rewrote its
+    config.json to 3, and view and compare then read 3 of the 6 episodes on disk."""
+    run = tmp_path / "run"
+    make_run(run, episodes=6)
+    config = run / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "episodes": 3}))
+    read = read_run(run)
+    assert len(read.episodes) == 6 and read.summary().episodes == 6
+    assert read.config.episodes == 6
+    assert any("holds 3 episodes beyond config.json's 3 episodes" in n for n in read.notes)
+    # The next eval into it heals config.json to what the directory holds.
+    make_run(run, episodes=3)
+    assert json.loads(config.read_text())["episodes"] == 6 and read_run(run).notes == []

@@ -1,4 +1,4 @@
-"""`agent-gym serve` driven by the published OpenEnv client (openenv-core) over WebSocket and
+"""`agent-gym serve` driven by the published OpenEnv client (the `openenv` package) over WebSocket and
 by OpenEnv's own HTTP validator and request/response models over HTTP, for all four envs."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from agent_gym.eval import EvalConfig, Summary, evaluate
 from trainers import sft
 from trainers.plot import plot
 from trainers.policies import sampler_policy
-from trainers.run import CHECKPOINT_FILE, Checkpoint, with_preset
+from trainers.run import CHECKPOINT_FILE, Checkpoint, check_env, with_preset
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN, TEST = {"split": "train"}, {"split": "test"}
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="show progress bars")
     args = parser.parse_args(argv)
+    # Both splits build before a model loads or --out is made: a missing extra (Search-v0's
+    # index needs bm25s) is one line now, not a traceback after the first stage's model.
+    for kwargs in (TRAIN, {**TEST, "max_turns": MAX_TURNS}):
+        check_env(ENV_ID, kwargs, option=None)
     out = Path(args.out)
     started = time.perf_counter()
 

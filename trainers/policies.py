@@ -15,6 +15,8 @@ from pytrio import ModelInput, SamplingParams
 from agent_gym.policies import ContextLengthError, PolicyInput, Reply, derive_seed
 from agent_gym.render import ChatRenderer, ContinuedPrompts
 from trainers.backends import make_service
+from trainers.backends.pytrio import BackendError
+from trainers.run import RunConfigError, checkpoint_path
 
 
 class SamplerPolicy:
@@ -88,12 +90,25 @@ def sampler_policy(
     threads: int | None = None,
 ) -> SamplerPolicy:
     """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``; ``device`` and
-    ``threads`` place the local sampler (see ``trainers.backends.runtime``)."""
+    ``threads`` place the local sampler (see ``trainers.backends.runtime``).
+
+    CHECKPOINT is what a trainer's ``--init-from`` takes (``trainers.run.checkpoint_path``):
+    a training run's directory or its ``checkpoint.json`` (the run's latest checkpoint), or
+    a backend checkpoint path. A checkpoint or model that cannot be loaded, or a service
+    that cannot be reached, is a ``ValueError`` (``RunConfigError``) naming ``spec``, which
+    ``agent-gym eval`` prints as one line.
+    """
     backend, _, rest = spec.partition(":")
     model, _, checkpoint = rest.partition("@")
     if backend == "pytrio" and not model:
         raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
-    service = make_service(backend, device=device, threads=threads)
-    client = service.create_sampling_client(model or "smollm2", checkpoint or None)
+    try:
+        path = checkpoint_path(checkpoint) if checkpoint else None
+        service = make_service(backend, device=device, threads=threads)
+        client = service.create_sampling_client(model or "smollm2", path)
+    except RunConfigError as err:
+        raise RunConfigError(f"--policy {backend}:{model}@{err}") from err
+    except (ValueError, OSError, BackendError) as err:  # a wrong or missing checkpoint
+        raise RunConfigError(f"--policy {spec}: {err}") from err
     return SamplerPolicy(spec, client, max_tokens=max_tokens, temperature=temperature,
                          seed=seed)

@@ -146,6 +146,30 @@ def env_factory(env_id: str, env_kwargs: Mapping[str, Any], ray: str | None) -> 
     return remote_env_factory(env_id, dict(env_kwargs), ray)
 
 
+def check_env(
+    env_id: str, env_kwargs: Mapping[str, Any], option: str | None = "--env-kwargs"
+) -> tuple[int, int]:
+    """``(number of tasks, max turns)`` of the env, built once here and closed.
+
+    A run calls this before it creates its directory or loads a model, so an unknown env id
+    or constructor arguments the env refuses (an unknown name, a wrong type, a missing
+    extra) are a one-line ``RunConfigError`` at once, not a traceback a model load later.
+    ``option`` names the command-line option the arguments came from (None: none did).
+    """
+    try:
+        return describe_env(env_id, env_kwargs)
+    except gymnasium.error.Error as err:  # an unknown id: keeps Gymnasium's "did you mean"
+        raise RunConfigError(f"--env-id {env_id}: {err} (see `agent-gym envs`)") from err
+    except (TypeError, ValueError, ImportError, OSError) as err:
+        given = f"{option} " if option else ""
+        # Gymnasium appends the id and arguments to a constructor's error: said once here.
+        why = str(err).split(" was raised from the environment creator for ")[0]
+        raise RunConfigError(
+            f"cannot build {env_id} with {given}{json.dumps(dict(env_kwargs), default=str)}: "
+            f"{why}"
+        ) from err
+
+
 class EnvPool:
     """Environments kept open across rollout groups and steps; call it as the ``make_env``
     factory of ``trainers.rollout``.
@@ -307,6 +331,12 @@ class RunArgs:
         """Episodes rolled out per task in a step (a trainer with groups says how many)."""
         return 1
 
+    def env_settings(self) -> list[tuple[str, dict[str, Any]]]:
+        """Each set of constructor arguments the run builds ``env_id`` with, and the option
+        it came from: ``open_run`` builds each once before anything else (``check_env``).
+        A trainer that builds the env otherwise too (SFT's held-out tasks) adds its own."""
+        return [("--env-kwargs", self.env_kwargs)]
+
 
 A = TypeVar("A", bound=RunArgs)
 
@@ -412,7 +442,10 @@ def options_parser(
 
 
 def _json_object(text: str) -> dict[str, object]:
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:  # argparse would say only "invalid _json_object"
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from err
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
@@ -529,23 +562,30 @@ def _training_client(
     else:
         raise RunConfigError(f"the {args.backend} backend trains LoRA adapters only")
     if args.init_from is not None:
-        path = checkpoint_path(args.init_from)
         try:  # weights only: the backend refuses a checkpoint of another model or rank
-            training.load_state(path).result()
+            training.load_state(checkpoint_path(args.init_from)).result()
+        except RunConfigError as err:
+            raise RunConfigError(f"--init-from {err}") from err
         except (ValueError, OSError) as err:
             raise RunConfigError(f"--init-from {args.init_from}: {err}") from err
     return training, None
 
 
 def checkpoint_path(spec: str) -> str:
-    """The backend path ``--init-from`` names: a run directory or its ``checkpoint.json``
-    stands for the run's latest checkpoint; anything else is a backend path already."""
+    """The backend path a checkpoint spec names, wherever one is taken (``--init-from``, a
+    ``local:MODEL@CHECKPOINT`` policy or teacher): a run directory or its
+    ``checkpoint.json`` stands for the run's latest checkpoint; anything else is a backend
+    path already. A ``RunConfigError`` starts with ``spec``, for the caller to prefix."""
     local = Path(spec)
     record = local / CHECKPOINT_FILE if local.is_dir() else local
     if record.name == CHECKPOINT_FILE and record.is_file():
-        return Checkpoint.read(record).path
+        try:
+            return Checkpoint.read(record).path
+        except (ValueError, KeyError, OSError) as err:
+            raise RunConfigError(f"{spec}: {record} is not a readable checkpoint record "
+                                 f"({type(err).__name__}: {err})") from err
     if local.is_dir() and not any(local.iterdir()):
-        raise RunConfigError(f"--init-from {spec}: an empty directory, not a run or checkpoint")
+        raise RunConfigError(f"{spec}: an empty directory, not a run or checkpoint")
     return spec
 
 
@@ -691,13 +731,19 @@ def trained_datums(row: Metrics) -> int:
 
 def final_line(history: Sequence[Metrics], out: Path, **extra: object) -> str:
     """The one JSON line a trainer prints at the end: where the run is and how much of this
-    invocation trained (a run of steps that trained nothing says so)."""
+    invocation trained (a run of steps that trained nothing says so).
+
+    ``step`` counts the run's steps done, from 1, as the progress bar and
+    ``checkpoint.json`` do (a metrics row's ``step`` is the 0-based index its readers
+    expect). The warning points up only when ``Run.finish`` printed one: a streak of
+    ``IDLE_WARNING`` steps, which a run whose every step was idle has iff it ran that many."""
     idle = sum(not trained_datums(row) for row in history)
-    line: dict[str, object] = {"step": history[-1]["step"] if history else None,
+    line: dict[str, object] = {"step": history[-1]["step"] + 1 if history else None,
                                "out": str(out), "steps": len(history),
                                "steps_that_trained_nothing": idle, **extra}
     if history and idle == len(history):
-        line["warning"] = "no step trained anything: see the warnings above"
+        line["warning"] = ("no step trained anything (every group degenerate, 0 datums)"
+                           + (": see the warning above" if idle >= IDLE_WARNING else ""))
     return json.dumps(line)
 
 
@@ -706,16 +752,19 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     service (``args.backend`` unless given), the training client, the metrics trimmed to
     the checkpoint, the renderer, a pool of envs (local or Ray actors) reused by every step,
     and the episode's turn budget."""
+    # The envs first: a typo in --env-id or --env-kwargs is a one-line error before a model
+    # loads, and --out is created only once the run can start.
+    described = [check_env(args.env_id, kwargs, option) for option, kwargs in args.env_settings()]
+    num_tasks, env_turns = described[0]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     service = service or make_service(
         args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key,
         device=args.device, threads=args.threads,
         activation_checkpointing=args.activation_checkpointing,
     )
     training, resumed = _training_client(service, args, out / CHECKPOINT_FILE)
+    out.mkdir(parents=True, exist_ok=True)
     _keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
-    num_tasks, env_turns = describe_env(args.env_id, args.env_kwargs)
     return Run(
         args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),

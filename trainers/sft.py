@@ -105,6 +105,10 @@ class Args(RunArgs):
                 *(["--epochs must be positive"] if self.epochs < 1 else []),
                 *(["--heldout-every must be >= 0"] if self.heldout_every < 0 else [])]
 
+    def env_settings(self) -> list[tuple[str, dict[str, Any]]]:
+        held_out = [("--heldout-env-kwargs", self.heldout_env_kwargs)]
+        return [*super().env_settings(), *(held_out if self.heldout_env_kwargs else [])]
+
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
     return parse_run_args(Args, argv, "agent-gym train sft", __doc__.split("\n\n")[0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from agent_gym.alfworld.engine import Engine, Frame, Snapshot, plan_walkthrough
@@ -15,7 +16,7 @@ from agent_gym.alfworld.games import (
     resolve_root,
 )
 from agent_gym.core import Opening, OutcomeEnv, Task, Transition
-from agent_gym.hoststore import host_store
+from agent_gym.hoststore import default_path, host_store
 from agent_gym.protocols import PlainTextProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.tools import ToolCallError, ToolSpec
 
@@ -81,17 +82,17 @@ class ALFWorldEnv(OutcomeEnv):
 
     Restoring a state this instance has been through jumps to an engine snapshot instead
     of replaying (the base class's snapshot cache, still checking every observation
-    digest). A state any instance of this process -- or, with ``restore_store``, of this
-    host -- has played is restored by redoing the planner's moves (under a millisecond
-    each, no text written) and taking the observations on the way from the host's own
-    record, checked against the state's digests just the same; anything else replays.
-    Games are translated once per process (once per host with ``restore_store``), so a
-    fresh instance loads in milliseconds instead of seconds. That is also what lets many
-    episodes run per process without lockstep stalls: an ``AsyncVectorEnv`` with
-    next-step autoreset (``vector_kwargs={"autoreset_mode": AutoresetMode.NEXT_STEP}``)
-    resets a finished sub-env inside its next step, now in milliseconds. ``data_path``,
-    ``plan_timeout`` and ``restore_store`` are host settings, never taken from a saved
-    state.
+    digest). A state any process of this host has played (any instance of this process
+    only, with ``restore_store=False``) is restored by redoing the planner's moves (under
+    a millisecond each, no text written) and taking the observations on the way from the
+    host's own record, checked against the state's digests just the same; anything else
+    replays. Games are translated once per host (per process with ``restore_store=False``),
+    so a fresh instance, even in a fresh process, loads in milliseconds instead of seconds.
+    That is also what lets many episodes run per process without lockstep stalls: an
+    ``AsyncVectorEnv`` with next-step autoreset (``vector_kwargs={"autoreset_mode":
+    AutoresetMode.NEXT_STEP}``) resets a finished sub-env inside its next step, now in
+    milliseconds. ``data_path``, ``plan_timeout`` and ``restore_store`` are host settings,
+    never taken from a saved state.
 
     Args:
         data_path, split: where the games come from (split: train, valid_seen,
@@ -104,9 +105,12 @@ class ALFWorldEnv(OutcomeEnv):
             turns.
         invalid_penalty: subtracted from the reward of an invalid step.
         plan_timeout: seconds to plan a walkthrough for a game that has none (0: never).
-        restore_store: a SQLite file this host's processes share for game translations
-            and played prefixes (see ``agent_gym.hoststore``); None keeps them in this
-            process only.
+        restore_store: the SQLite file this host's processes share for game translations
+            and played prefixes (see ``agent_gym.hoststore``). None (or True): the host's
+            default file, ``host_store.sqlite`` in ``$AGENT_GYM_CACHE`` (else
+            ``~/.cache/agent_gym``), or ``$AGENT_GYM_HOST_STORE`` when set; a path: that
+            file; False: none, everything is kept in this process only (a fresh process
+            then replays a restored state in full).
     """
 
     env_id = "agent_gym/ALFWorld-v0"
@@ -125,7 +129,7 @@ class ALFWorldEnv(OutcomeEnv):
         reward_incorrect: float = 0.0,
         invalid_penalty: float = 0.0,
         plan_timeout: float = 0.0,
-        restore_store: str | None = None,
+        restore_store: str | bool | None = None,
         render_mode: str | None = None,
     ) -> None:
         self.protocol = choose_protocol(protocol, PROTOCOLS)
@@ -145,8 +149,9 @@ class ALFWorldEnv(OutcomeEnv):
         )
         self.show_admissible = show_admissible
         self.plan_timeout = plan_timeout
-        self._engine = Engine(host_store("alfworld_games", restore_store))
-        self._store = host_store("alfworld_prefixes", restore_store)
+        store_file = store_path(restore_store)
+        self._engine = Engine(host_store("alfworld_games", store_file))
+        self._store = host_store("alfworld_prefixes", store_file)
         self._moved: str | None = None  # the operator the last _step applied, if any
         self._game: tuple[str, Game] | None = None
         self._root: Snapshot | None = None
@@ -264,6 +269,15 @@ class ALFWorldEnv(OutcomeEnv):
     @staticmethod
     def _frame_info(frame: Frame) -> dict[str, Any]:
         return {"admissible_actions": list(frame.admissible), "won": frame.won}
+
+
+def store_path(restore_store: str | bool | None) -> Path | None:
+    """The host store file ``restore_store`` names (see ``ALFWorldEnv``), None for none."""
+    if restore_store is False:
+        return None
+    if restore_store is None or restore_store is True:
+        return default_path()
+    return Path(restore_store)
 
 
 def canonical(command: str) -> str:

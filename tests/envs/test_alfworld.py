@@ -17,6 +17,7 @@ import pytest
 from agent_gym import StateError, StateMismatchError, make_from_state
 from agent_gym.alfworld.games import GameError, bundled_root, find_games
 from agent_gym.envs.alfworld import PROTOCOLS, STEP_TOOL, ALFWorldEnv, canonical
+from agent_gym.hoststore import STORE_PATH_ENV
 from agent_gym.protocols import choose_protocol
 from agent_gym.tools import parse_tool_call
 
@@ -415,6 +416,36 @@ print(info["snapshot_source"], info["snapshot_depth"], env.step({last!r})[1])
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert done.stdout.split() == ["store", str(state.depth), "1.0"], done.stderr[-2000:]
+
+
+def test_a_fresh_process_restores_through_the_default_host_store_unless_it_is_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No option: the host's default file (in the cache directory) carries the game's
+    translation and the prefix record to a fresh process; restore_store=False replays."""
+    monkeypatch.delenv(STORE_PATH_ENV)  # the suite's own file (conftest): the real default
+    monkeypatch.setenv("AGENT_GYM_CACHE", str(tmp_path / "cache"))
+    first = make()
+    state = played(first)[-1]
+    first.close()
+    assert (tmp_path / "cache" / "host_store.sqlite").is_file()
+    script = f"""
+import sys, fast_downward, gymnasium, agent_gym
+kwargs = {{"restore_store": False}} if sys.argv[1] == "off" else {{}}
+if not kwargs:
+    fast_downward.pddl2sas = None  # translating again would fail
+env = gymnasium.make({ENV!r}, data_path={str(HEAT)!r}, **kwargs).unwrapped
+_, info = env.reset(options={{"state": {state.to_json()!r}}})
+print(info["snapshot_source"], info["snapshot_depth"], info["restored_depth"])
+"""
+    for setting, expected in (("default", ["store", str(state.depth), str(state.depth)]),
+                              ("off", ["None", "0", str(state.depth)])):
+        cache = tmp_path / ("cache" if setting == "default" else "off-cache")
+        done = subprocess.run([sys.executable, "-c", script, setting], capture_output=True,
+                              text=True, timeout=120,
+                              env={**os.environ, "AGENT_GYM_CACHE": str(cache)})
+        assert done.stdout.split() == expected, (setting, done.stderr[-2000:])
+    assert not (tmp_path / "off-cache").exists()  # off: nothing written for the host
 
 
 def test_tampered_or_foreign_states_raise() -> None:

@@ -174,6 +174,27 @@ def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(
     assert set(row["end_reasons"]) <= {"max_turns", "max_tokens"} and row["turns_mean"] <= 2
 
 
+def test_the_last_line_counts_steps_from_one_and_points_only_at_printed_warnings(
+    toy_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group of one is always degenerate, so these runs train nothing: one step warns in
+    the last line alone, IDLE_WARNING steps warn first and the last line points there."""
+    from trainers.run import IDLE_WARNING
+
+    argv = ["--env-id", grpo_toy.ENV_ID, "--model", toy_model, "--lora-rank", "0",
+            "--batch-size", "1", "--group-size", "1", "--max-turns", "2", "--max-tokens",
+            "4", "--max-trajectory-tokens", "64", "--no-progress"]
+    for steps in (1, IDLE_WARNING):
+        assert grpo.main([*argv, "--steps", str(steps), "--out", str(tmp_path / str(steps))]) == 0
+        out, err = capsys.readouterr()
+        line = json.loads(out.splitlines()[-1])
+        assert (line["step"], line["steps"], line["steps_that_trained_nothing"]) == (steps,) * 3
+        assert line["warning"].startswith("no step trained anything")
+        warned = "trained nothing" in err
+        assert warned == (steps == IDLE_WARNING)
+        assert ("see the warning above" in line["warning"]) == warned
+
+
 def test_cli_and_argument_errors() -> None:
     import argparse
 
