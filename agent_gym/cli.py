@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -116,6 +117,8 @@ ENV_COMMANDS = ("envs", "replay", "eval", "serve", "view", "rescore")
 
 
 def _add_import_option(parser: argparse.ArgumentParser) -> None:
+    if "-" not in parser.prefix_chars:  # a stand-in that takes every argument as it comes
+        return
     parser.add_argument(
         "--import", dest="imports", action="append", default=[], metavar="MODULE",
         help="import MODULE first, so the envs it registers with Gymnasium can be used "
@@ -393,8 +396,12 @@ def _serve(args: argparse.Namespace) -> int:
         idle_timeout_s=args.idle_timeout or None, max_request_bytes=args.max_request_bytes,
         token=token,
     )
-    serve(config, host=args.host, port=args.port)
+    serve(config, host=args.host, port=args.port, verbose=args.verbose)
     return 0
+
+
+def _missing_serve(missing: str, _: argparse.Namespace) -> int:
+    raise UserError(missing)
 
 
 def _register_serve(commands: Any) -> None:
@@ -406,10 +413,12 @@ def _register_serve(commands: Any) -> None:
             OPENENV_VERSION_MATCHED,
         )
     except ImportError as err:  # the server's stack is an optional extra
-        missing = str(err)
+        # Every argument, --help included, is taken as it comes, so whatever the user typed
+        # the answer is the one line that names the extra.
         stub = commands.add_parser("serve", help="serve an env over OpenEnv's protocol "
-                                   "(needs agent-gym[serve])")
-        stub.set_defaults(run=lambda _: sys.exit(f"agent-gym serve: {missing}"))
+                                   "(needs the serve extra)", add_help=False, prefix_chars="\0")
+        stub.add_argument("argv", nargs="*")
+        stub.set_defaults(run=functools.partial(_missing_serve, str(err)))
         return
 
     server = commands.add_parser(
@@ -431,6 +440,8 @@ def _register_serve(commands: Any) -> None:
                         help="largest HTTP body or WebSocket frame accepted")
     server.add_argument("--token-env", metavar="VAR",
                         help="require 'Authorization: Bearer <$VAR>' on every request")
+    server.add_argument("--verbose", action="store_true",
+                        help="log a line per request and per WebSocket session")
     server.set_defaults(run=_serve)
 
 

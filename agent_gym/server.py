@@ -33,6 +33,7 @@ import hmac
 import json
 import logging
 import secrets
+import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -728,9 +729,16 @@ def _version() -> str:
         return "0.0.0"
 
 
-def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the server until interrupted (uvicorn on the ``websockets`` package)."""
+def serve(
+    config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, verbose: bool = False
+) -> None:
+    """Run the server until interrupted (uvicorn on the ``websockets`` package), saying
+    where it listens; ``verbose`` adds uvicorn's line per request and WebSocket session."""
     import uvicorn
+
+    print(f"agent-gym serve: {config.env_id} on http://{host}:{port} (WebSocket "
+          f"ws://{host}:{port}/ws, HTTP /reset /step /state; Ctrl-C stops)",
+          file=sys.stderr, flush=True)
 
     # uvicorn's "websockets" protocol served 45% more steps/s than its newer "sansio" one in
     # benchmarks/bench_serve.py; uvicorn marks it deprecated, which is not this server's news.
@@ -739,6 +747,7 @@ def serve(config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> No
     # is answered with an error frame instead of a dropped connection.
     uvicorn.run(
         create_app(config), host=host, port=port, ws="websockets",
-        ws_max_size=2 * config.max_request_bytes + 65536, log_level="warning",
-        access_log=False, timeout_graceful_shutdown=5,
+        ws_max_size=2 * config.max_request_bytes + 65536,
+        log_level="info" if verbose else "warning", access_log=verbose,
+        timeout_graceful_shutdown=5,
     )

@@ -336,3 +336,43 @@ def test_short_in_process_steps_run_on_the_event_loop_and_others_in_threads(
     assert where[6 + INLINE_AFTER:] == [loop], where
     where = asyncio.run(threads_of("agent_gym/GSM8K-v0", ["thinking"] * 8))
     assert loop not in where, where
+
+
+def test_serve_says_where_it_listens_and_logs_each_request_when_verbose() -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers.serve_process import free_port
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent_gym.cli", "serve", "agent_gym/GSM8K-v0", "--port",
+         str(port), "--verbose"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert httpx.post(f"http://127.0.0.1:{port}/reset", json={}, timeout=30).status_code == 200
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    assert f"agent_gym/GSM8K-v0 on http://127.0.0.1:{port}" in output
+    assert '"POST /reset HTTP/1.1" 200' in output
+
+
+def test_serve_without_its_extra_names_it_in_one_line_whatever_the_arguments() -> None:
+    import subprocess
+    import sys
+
+    for args in (["agent_gym/GSM8K-v0", "--port", "9"], ["--help"]):
+        code = ("import sys; sys.modules['fastapi'] = None\n"
+                f"from agent_gym.cli import main; sys.exit(main(['serve', *{args!r}]))")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.strip().splitlines() == [
+            "agent-gym serve: error: agent-gym serve needs FastAPI: install the 'serve' extra "
+            "(in the agent-gym checkout: pip install -e '.[serve]')"]
