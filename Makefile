@@ -25,7 +25,7 @@ TEST_EXTRAS := code,search,train,ray,serve,dev,openenv,trl,verifiers,gem
 setup: $(STAMP) browser
 
 # Headless Chromium from Debian's packages, for the HTML report's browser test
-# (tests/test_report.py, which skips, saying why, where none can be installed). Needs root
+# (tests/eval/test_report.py, which skips, saying why, where none can be installed). Needs root
 # and apt; nothing is done when it is already there.
 browser:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \

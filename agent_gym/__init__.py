@@ -17,18 +17,21 @@ from typing import Any
 import gymnasium
 from gymnasium.envs.registration import load_env_creator
 
-from agent_gym.core import (
+from agent_gym import _moved
+from agent_gym.env import (
     REWARD_SETTINGS,
     BackendFailure,
+    EnvState,
     Opening,
     OutcomeEnv,
+    StateError,
+    StateMismatchError,
     Task,
     TextEnv,
     Transition,
     UnicodeText,
-    _json_kwargs,
 )
-from agent_gym.state import EnvState, StateError, StateMismatchError
+from agent_gym.env.base import _json_kwargs
 
 __all__ = [
     "ENV_ENTRY_POINTS",
@@ -59,8 +62,9 @@ _ENTRY_POINTS = {
     "agent_gym/ALFWorld-v0": "agent_gym.envs.alfworld:ALFWorldEnv",
     # A client of an `agent-gym serve` server (needs agent-gym[serve]); gymnasium.make(
     # "agent_gym/Remote-v0", url="http://host:8000").
-    "agent_gym/Remote-v0": "agent_gym.remote:RemoteTextEnv",
+    "agent_gym/Remote-v0": "agent_gym.serve.remote:RemoteTextEnv",
 }
+_moved.install()
 for _env_id, _entry_point in _ENTRY_POINTS.items():
     if _env_id not in gymnasium.registry:
         gymnasium.register(id=_env_id, entry_point=_entry_point, disable_env_checker=True)

@@ -23,9 +23,9 @@ import gymnasium
 import ray
 
 import agent_gym  # noqa: F401
-from agent_gym.distributed import RayVectorEnv, remote_env_factory
-from agent_gym.eval import EvalConfig, evaluate
-from agent_gym.policies import OraclePolicy
+from agent_gym.eval.policies import OraclePolicy
+from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.serve.distributed import RayVectorEnv, remote_env_factory
 
 
 def single_process(env_id: str, episodes: int) -> float:

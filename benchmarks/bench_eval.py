@@ -42,8 +42,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent_gym.eval import EvalConfig, evaluate
-from agent_gym.policies import OpenAIChatPolicy
+from agent_gym.eval.policies import OpenAIChatPolicy
+from agent_gym.eval.run import EvalConfig, evaluate
 from tests.helpers.openai_server import Behaviour, ChatServer
 
 ENVS = ("agent_gym/GSM8K-v0", "agent_gym/Search-v0")

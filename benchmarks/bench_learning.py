@@ -69,7 +69,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_gym.eval import bootstrap_interval, wilson_interval  # noqa: E402
+from agent_gym.eval.run import bootstrap_interval, wilson_interval  # noqa: E402
 from trainers import grpo, sft  # noqa: E402
 from trainers.critic import READOUTS  # noqa: E402
 from trainers.opd import Args as OpdArgs  # noqa: E402

@@ -35,7 +35,7 @@ import gymnasium
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agent_gym  # noqa: F401  (registers the envs)
-from agent_gym.server import DEFAULT_MAX_SESSIONS
+from agent_gym.serve.app import DEFAULT_MAX_SESSIONS
 from tests.helpers.serve_process import frame, running_server
 
 SESSIONS = (1, 16, 64)

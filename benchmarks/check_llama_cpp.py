@@ -19,7 +19,7 @@ and start it with the embedded SmolLM2 GGUF and a 4096-token context):
   episodes, same run: a server that computes one request at a time gains nothing, and
   interleaved multi-turn episodes can lose its prompt cache.
 
-Every run goes through the command line (``agent_gym.cli.main``) into ``--out``; the
+Every run goes through the command line (``agent_gym.cli.main.main``) into ``--out``; the
 figures and verdicts are printed and written to ``--report`` (default
 ``benchmarks/results/llama_cpp.json``). Not part of the test suite: it needs the server,
 and its runs take about 12 minutes on 2 cores.
@@ -45,8 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent_gym.cli import main as agent_gym
-from agent_gym.policies import OpenAIChatPolicy, PolicyError
+from agent_gym.cli.main import main as agent_gym
+from agent_gym.eval.policies import OpenAIChatPolicy, PolicyError
 
 GSM8K, SEARCH, ALFWORLD = "agent_gym/GSM8K-v0", "agent_gym/Search-v0", "agent_gym/ALFWorld-v0"
 RUNS = ("null_content_probe", "search_native", "search_text_c1", "search_text_c4", "gsm8k_c1",

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import agent_gym
-from agent_gym.cli import BUILTIN_COMMANDS, build_parser
+from agent_gym.cli.main import BUILTIN_COMMANDS, build_parser
 
 PACKAGE = Path(agent_gym.__file__).parent
 
@@ -40,8 +40,8 @@ def test_env_commands_eval_and_envs_load_no_trainer_module(tmp_path: Path) -> No
     script = f"""
 import sys
 import gymnasium
-import agent_gym, agent_gym.eval, agent_gym.policies
-from agent_gym.cli import main
+import agent_gym, agent_gym.eval.run, agent_gym.eval.policies
+from agent_gym.cli.main import main
 main(["envs"])
 main(["eval", "agent_gym/GSM8K-v0", "--episodes", "2", "--quiet", "--out", {str(tmp_path)!r}])
 env = gymnasium.make("agent_gym/Search-v0")
@@ -58,7 +58,7 @@ assert not loaded, loaded
 def test_train_command_and_sampler_policies_come_from_entry_points() -> None:
     from importlib.metadata import entry_points
 
-    from agent_gym.policies import plugin_policies
+    from agent_gym.eval.policies import plugin_policies
 
     commands = {point.name for point in entry_points(group="agent_gym.commands")}
     assert "train" in commands and not commands & BUILTIN_COMMANDS

@@ -32,8 +32,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent_gym.cli import OneLineParser
-from agent_gym.eval import EvalConfig, Summary, evaluate
+from agent_gym.cli.main import OneLineParser
+from agent_gym.eval.run import EvalConfig, Summary, evaluate
 from trainers import sft
 from trainers.plot import plot
 from trainers.policies import sampler_policy

@@ -35,7 +35,7 @@ import numpy as np
 from pytrio import Datum, ModelInput
 from pytrio.types import TensorData
 
-from agent_gym.state import EnvState, StateError
+from agent_gym.env.state import EnvState, StateError
 
 IGNORE_TARGET = -100
 
@@ -243,7 +243,7 @@ class ResumePoint:
     """A point inside an episode to continue branches from: the one resume type of the
     trainers (rollouts resume from it, TEMPO's store keeps it).
 
-    ``state`` is the env's recipe to rebuild itself there (``agent_gym.state``);
+    ``state`` is the env's recipe to rebuild itself there (``agent_gym.env.state``);
     ``sequence`` the exact prompt tokens the policy had there, ending with a generation
     prompt, with the spans every earlier reply sampled (what the prefix importance weight
     scores); ``messages`` the chat those tokens render, whose first ``opening`` messages

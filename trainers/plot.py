@@ -21,7 +21,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from agent_gym.cli import OneLineParser
+from agent_gym.cli.main import OneLineParser
 from trainers.run import METRICS_FILE, Metrics, read_metrics
 
 PLOT_FILE = "metrics.png"

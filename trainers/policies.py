@@ -2,7 +2,7 @@
 local torch backend) and ``pytrio:MODEL[@CHECKPOINT]`` (the PyTRIO service).
 
 They live here, not in ``agent_gym``, because they need torch or the PyTRIO SDK;
-``agent_gym.policies.make_policy`` finds them through this package's ``agent_gym.policies``
+``agent_gym.eval.policies.make_policy`` finds them through this package's ``agent_gym.policies``
 entry points.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from pytrio import ModelInput, SamplingParams
 
-from agent_gym.policies import ContextLengthError, PolicyInput, Reply, derive_seed
+from agent_gym.eval.policies import ContextLengthError, PolicyInput, Reply, derive_seed
 from agent_gym.render import ChatRenderer, ContinuedPrompts
 from trainers.backends import make_service
 from trainers.backends.pytrio import BackendError

@@ -42,9 +42,9 @@ from pytrio.types import (
 )
 from tqdm import tqdm
 
-from agent_gym.cli import OneLineParser
-from agent_gym.core import describe_env
-from agent_gym.policies import derive_seed
+from agent_gym.cli.main import OneLineParser
+from agent_gym.env.base import describe_env
+from agent_gym.eval.policies import derive_seed
 from agent_gym.render import ChatRenderer
 from trainers.backends import BACKENDS, make_service
 from trainers.episode import active_tokens
@@ -141,7 +141,7 @@ def env_factory(env_id: str, env_kwargs: Mapping[str, Any], ray: str | None) -> 
     """
     if ray is None:
         return functools.partial(gymnasium.make, env_id, **env_kwargs)
-    from agent_gym.distributed import remote_env_factory
+    from agent_gym.serve.distributed import remote_env_factory
 
     return remote_env_factory(env_id, dict(env_kwargs), ray)
 

@@ -2,7 +2,7 @@
 
 A stored state is a ``trainers.episode.ResumePoint``: a point inside an episode, after some
 turns, at which a macro-step can start again: the env state (the recipe to rebuild the env
-there, see ``agent_gym.state``), the exact prompt tokens the policy had there with the spans
+there, see ``agent_gym.env.state``), the exact prompt tokens the policy had there with the spans
 earlier replies sampled and their logprobs (so a restored branch continues the very token
 sequence the sampler produced, and the importance correction knows what to score), the chat
 those tokens render, and the policy version that reached the point. ``cut`` makes them from

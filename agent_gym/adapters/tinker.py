@@ -38,8 +38,8 @@ except ImportError as err:  # tinker-cookbook is an optional extra
     raise ImportError("agent_gym.adapters.tinker needs tinker-cookbook: "
                       + install_hint("tinker")) from err
 
-from agent_gym.state import EnvState
-from agent_gym.tools import format_tool_call
+from agent_gym.actions.tools import format_tool_call
+from agent_gym.env.state import EnvState
 
 _TOKENIZER_LOCKS: weakref.WeakKeyDictionary[Tokenizer, threading.RLock] = (
     weakref.WeakKeyDictionary())

@@ -30,8 +30,8 @@ from typing import Any
 
 import gymnasium
 
-from agent_gym.core import TextEnv
-from agent_gym.state import EnvState
+from agent_gym.env.base import TextEnv
+from agent_gym.env.state import EnvState
 
 EPISODE_OVER = "The episode is over; give your final answer."
 

@@ -1,1 +1,1 @@
-"""One small module per environment, each on top of ``agent_gym.core.TextEnv``."""
+"""One small module per environment, each on top of ``agent_gym.env.base.TextEnv``."""

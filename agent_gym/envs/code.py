@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import BackendFailure, Opening, OutcomeEnv, Task, Transition
-from agent_gym.protocols import FencedCodeProtocol, ToolCallProtocol, choose_protocol
+from agent_gym.actions.protocols import FencedCodeProtocol, ToolCallProtocol, choose_protocol
+from agent_gym.actions.tools import ToolCallError, ToolSpec
+from agent_gym.env.base import BackendFailure, Opening, OutcomeEnv, Task, Transition
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, score_math
 from agent_gym.sandbox import ExecResult, Limits, SandboxError, open_sandbox
-from agent_gym.tools import ToolCallError, ToolSpec
 
 CODE_TOOL = ToolSpec(
     name="code_interpreter",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import Opening, OutcomeEnv, Task, Transition
+from agent_gym.env.base import Opening, OutcomeEnv, Task, Transition
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, extract_gsm8k_answer, score_math
 
 SYSTEM_PROMPT = (

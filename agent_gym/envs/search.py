@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym import data
-from agent_gym.core import BackendFailure, Opening, OutcomeEnv, Task, Transition
-from agent_gym.protocols import TagProtocol, ToolCallProtocol, choose_protocol
+from agent_gym.actions.protocols import TagProtocol, ToolCallProtocol, choose_protocol
+from agent_gym.actions.tools import ToolCallError, ToolSpec, parse_tag_call
+from agent_gym.env.base import BackendFailure, Opening, OutcomeEnv, Task, Transition
 from agent_gym.rewards import exact_match, f1_score
 from agent_gym.search import (
     BACKENDS,
@@ -19,7 +20,6 @@ from agent_gym.search import (
     cache_root,
     open_backend,
 )
-from agent_gym.tools import ToolCallError, ToolSpec, parse_tag_call
 
 SEARCH_TOOL = ToolSpec(
     name="search",

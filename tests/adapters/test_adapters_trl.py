@@ -15,7 +15,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.chat_template_utils import add_response_schema, parse_response, qwen3_chat_template  # noqa: E402
 
 from agent_gym.adapters.trl import env_reward, trl_dataset, trl_environment  # noqa: E402
-from agent_gym.state import EnvState  # noqa: E402
+from agent_gym.env.state import EnvState  # noqa: E402
 from trainers.models import load_tokenizer, tiny_model  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -121,7 +121,7 @@ def test_the_oracle_wins_through_the_adapter_methods(env_id: str, kwargs: dict) 
     method; the final reply goes through env_reward; the env's win reaches the reward."""
     import gymnasium
 
-    from agent_gym.tools import parse_tool_call
+    from agent_gym.actions.tools import parse_tool_call
 
     env_cls = trl_environment(env_id, **kwargs)
     probe = gymnasium.make(env_id, **kwargs)
@@ -147,6 +147,6 @@ def test_the_oracle_wins_through_the_adapter_methods(env_id: str, kwargs: dict) 
 
 
 def _specs(functions: list[dict]) -> list:
-    from agent_gym.tools import ToolSpec
+    from agent_gym.actions.tools import ToolSpec
 
     return [ToolSpec(f["name"], f["description"], f["parameters"]) for f in functions]

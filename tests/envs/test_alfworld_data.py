@@ -18,7 +18,7 @@ from agent_gym.alfworld.games import (
     find_games,
     read_game,
 )
-from agent_gym.cli import main
+from agent_gym.cli.main import main
 
 ENGINE = None
 

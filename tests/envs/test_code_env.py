@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from agent_gym import EnvState, StateMismatchError, make_from_state
+from agent_gym.actions.protocols import choose_protocol
 from agent_gym.data import DataError, bundled
 from agent_gym.envs.code import PROTOCOLS
-from agent_gym.protocols import choose_protocol
 from agent_gym.sandbox import STATE_LOST
 from agent_gym.sandbox.config import SANDBOX_TMP
 

@@ -11,9 +11,9 @@ import gymnasium
 import pytest
 
 from agent_gym import EnvState, StateError, StateMismatchError, make_from_state
+from agent_gym.actions.protocols import choose_protocol
 from agent_gym.data import DataError, bundled
 from agent_gym.envs.search import PROTOCOLS
-from agent_gym.protocols import choose_protocol
 from agent_gym.search import BM25Index, RetrievalServer, bundled_corpus
 from tests.helpers.search_fakes import FaultProxy, refused_url
 

@@ -9,8 +9,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from agent_gym.eval import EvalConfig, Summary, evaluate
-from agent_gym.policies import OraclePolicy, PolicyInput, Reply
+from agent_gym.eval.policies import OraclePolicy, PolicyInput, Reply
+from agent_gym.eval.run import EvalConfig, Summary, evaluate
 
 GSM8K = "agent_gym/GSM8K-v0"
 

@@ -17,7 +17,7 @@ import gymnasium
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from agent_gym.core import Opening, Task, TextEnv, Transition
+from agent_gym.env.base import Opening, Task, TextEnv, Transition
 from trainers.models import tiny_model
 
 ENV_ID = "agent_gym_tests/SayDigit-v0"

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from agent_gym.eval import Summary, wilson_interval
+from agent_gym.eval.run import Summary, wilson_interval
 from trainers.cli import COMMANDS
 from trainers.demo import table
 from trainers.run import PRESETS

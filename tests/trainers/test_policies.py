@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from agent_gym.eval import EvalConfig, evaluate
-from agent_gym.policies import PolicyInput, make_policy
+from agent_gym.eval.policies import PolicyInput, make_policy
+from agent_gym.eval.run import EvalConfig, evaluate
 from trainers.backends import make_service
 from trainers.policies import SamplerPolicy
 

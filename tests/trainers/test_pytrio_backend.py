@@ -13,7 +13,7 @@ from pytrio import AdamParams, ModelInput, SamplingParams
 from pytrio.errors.base import ValidationError
 from pytrio.protocol.actor.events.event import EventType
 
-from agent_gym.eval import EvalConfig, evaluate
+from agent_gym.eval.run import EvalConfig, evaluate
 from agent_gym.render import ChatRenderer
 from tests.helpers import grpo_toy
 from tests.helpers.pytrio_double import (

@@ -11,8 +11,8 @@ import gymnasium
 import pytest
 from pytrio import ModelInput
 
+from agent_gym.env.state import StateMismatchError
 from agent_gym.render import ChatRenderer, window_messages
-from agent_gym.state import StateMismatchError
 from tests.helpers import grpo_toy, tempo_toy
 from trainers.backends.local import LocalServiceClient
 from trainers.episode import build_datum

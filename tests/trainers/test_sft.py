@@ -14,8 +14,8 @@ import gymnasium
 import pytest
 import torch
 
-from agent_gym.eval import EvalConfig, evaluate
-from agent_gym.policies import make_policy
+from agent_gym.eval.policies import make_policy
+from agent_gym.eval.run import EvalConfig, evaluate
 from agent_gym.render import ChatRenderer
 from tests.helpers.chat_templates import smollm2_tokenizer
 from trainers.backends.local import LocalServiceClient

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from agent_gym.state import EnvState
+from agent_gym.env.state import EnvState
 from trainers.episode import Episode, ResumePoint, Span, TokenSequence
 from trainers.store import STORE_FORMAT_VERSION, StateStore, StoreError, cut, fresh_quota
 

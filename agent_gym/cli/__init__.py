@@ -1,0 +1,5 @@
+"""The ``agent-gym`` command (``main``) and its run-file subcommands (``runs``).
+
+``parsing`` is the one module of it that trainers import, so a trainer's command line looks
+and fails like every other without pulling in the rest of the CLI.
+"""

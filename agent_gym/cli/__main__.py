@@ -1,0 +1,3 @@
+from agent_gym.cli.main import main
+
+raise SystemExit(main())
