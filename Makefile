@@ -57,7 +57,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 # The main job: evaluate the embedded model on Search-v0's held-out questions, fine-tune it
-# on the train split's demonstrations, evaluate again (trainers/demo.py). The eval suite of
+# on the train split's demonstrations, evaluate again (agent_gym_train/demo.py). The eval suite of
 # every env is in the README.
 run: setup
 	$(BIN)/agent-gym train demo --out runs/demo

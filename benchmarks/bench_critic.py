@@ -57,12 +57,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainers.critic import Critic, CriticSample  # noqa: E402
-from trainers.episode import cross_entropy_datum  # noqa: E402
-from trainers.rollout import RolloutConfig, rollout_groups  # noqa: E402
-from trainers.run import Run, Sampler, device_defaults, open_run  # noqa: E402
-from trainers.store import cut  # noqa: E402
-from trainers.tempo import Args, critic_update, monte_carlo_targets  # noqa: E402
+from agent_gym_train.critic import Critic, CriticSample  # noqa: E402
+from agent_gym_train.episode import cross_entropy_datum  # noqa: E402
+from agent_gym_train.rollout import RolloutConfig, rollout_groups  # noqa: E402
+from agent_gym_train.run import Run, Sampler, device_defaults, open_run  # noqa: E402
+from agent_gym_train.store import cut  # noqa: E402
+from agent_gym_train.tempo import Args, critic_update, monte_carlo_targets  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 RESULTS = ROOT / "benchmarks" / "results" / "critic.json"

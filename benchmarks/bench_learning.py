@@ -70,14 +70,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agent_gym.eval.run import bootstrap_interval, wilson_interval  # noqa: E402
-from trainers import grpo, sft  # noqa: E402
-from trainers.critic import READOUTS  # noqa: E402
-from trainers.opd import Args as OpdArgs  # noqa: E402
-from trainers.opd import train as opd_train  # noqa: E402
-from trainers.run import read_metrics  # noqa: E402
-from trainers.tempo import CRITIC_LOSSES, best_constant_error, value_corr  # noqa: E402
-from trainers.tempo import Args as TempoArgs  # noqa: E402
-from trainers.tempo import train as tempo_train  # noqa: E402
+from agent_gym_train import grpo, sft  # noqa: E402
+from agent_gym_train.critic import READOUTS  # noqa: E402
+from agent_gym_train.opd import Args as OpdArgs  # noqa: E402
+from agent_gym_train.opd import train as opd_train  # noqa: E402
+from agent_gym_train.run import read_metrics  # noqa: E402
+from agent_gym_train.tempo import CRITIC_LOSSES, best_constant_error, value_corr  # noqa: E402
+from agent_gym_train.tempo import Args as TempoArgs  # noqa: E402
+from agent_gym_train.tempo import train as tempo_train  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN, TEST = {"split": "train"}, {"split": "test"}

@@ -1,6 +1,6 @@
 """The local backend at the machine's limits, each figure beside a baseline from the same run.
 
-- rollouts: sampled tokens/s of ``trainers.rollout.rollout_groups`` on ALFWorld-v0 (text
+- rollouts: sampled tokens/s of ``agent_gym_train.rollout.rollout_groups`` on ALFWorld-v0 (text
   protocol) and Search-v0, 4 tasks x 8 branches x up to 6 turns, with the batching sampler
   (continuous batch + prefix cache) against (a) today's path, reimplemented here as it was
   before the engine (``SerialSampler``: one call at a time behind a lock, every call prefills
@@ -60,19 +60,19 @@ from pytrio.client.training_batch import plan_training_batch
 from pytrio.types import SampleResponse, SampleSequence
 
 from agent_gym.render import ChatRenderer, Conversation
-from trainers.backends.batching import LENGTH, STOP
-from trainers.backends.local import (
+from agent_gym_train.backends.batching import LENGTH, STOP
+from agent_gym_train.backends.local import (
     CPU_MICROBATCH_TOKENS,
     LocalServiceClient,
     LocalTrainingClient,
     microbatches,
 )
-from trainers.backends.losses import check_loss, token_losses
-from trainers.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
-from trainers.backends.sampler import LocalSamplingClient
-from trainers.critic import VALUE_GRID, Critic
-from trainers.rollout import RolloutConfig, rollout_groups
-from trainers.run import EnvPool, env_factory
+from agent_gym_train.backends.losses import check_loss, token_losses
+from agent_gym_train.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
+from agent_gym_train.backends.sampler import LocalSamplingClient
+from agent_gym_train.critic import VALUE_GRID, Critic
+from agent_gym_train.rollout import RolloutConfig, rollout_groups
+from agent_gym_train.run import EnvPool, env_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVS = {
@@ -376,7 +376,7 @@ def bench_tempo(updates: int = 3) -> dict[str, Any]:
     """Whole TEMPO updates with the median readout, with the scoring cache and without it:
     what the cache saves once rollouts and learning are paid too. Both runs have the same
     seed, but sampling reads logprobs that differ by rounding, so their episodes may part."""
-    from trainers.tempo import Args, train
+    from agent_gym_train.tempo import Args, train
 
     settings = {"env_id": "agent_gym/Search-v0", "env_kwargs": {"split": "train", "max_turns": 4},
                 "warmup_updates": 1, "td_updates": updates - 1, "batch_size": 2, "branches": 4,
@@ -552,7 +552,7 @@ def bench_learner(repeats: int) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- grpo
 def bench_grpo() -> dict[str, Any]:
-    from trainers.grpo import Args, train
+    from agent_gym_train.grpo import Args, train
 
     shape = CPU_DEFAULTS
     with tempfile.TemporaryDirectory() as tmp:

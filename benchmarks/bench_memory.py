@@ -63,8 +63,8 @@ def tensor_mb() -> float:
 def child(variant: str, init_from: str, steps: int, out: str, record: str) -> None:
     """One GRPO run with a probe after every optimizer step."""
     sys.path.insert(0, str(ROOT))
-    from trainers import grpo
-    from trainers.backends import local
+    from agent_gym_train import grpo
+    from agent_gym_train.backends import local
 
     if variant == "baseline":
         local.return_freed_memory = lambda: None

@@ -33,9 +33,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for the tests' toy model
 
+from agent_gym_train.plot import plot  # noqa: E402
+from agent_gym_train.tempo import Args, train  # noqa: E402
 from tests.helpers.tempo_toy import save_value_model  # noqa: E402
-from trainers.plot import plot  # noqa: E402
-from trainers.tempo import Args, train  # noqa: E402
 
 KEPT = ("step", "phase", "critic/abs_error_mean", "critic/abs_error_constant",
         "critic/value_corr", "critic/value_mean", "critic/target_mean",

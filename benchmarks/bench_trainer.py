@@ -26,8 +26,8 @@ from pathlib import Path
 from pytrio import Datum, ModelInput
 
 from agent_gym.render import ChatRenderer, Conversation
-from trainers.episode import TokenSequence, build_datum
-from trainers.models import load_tokenizer
+from agent_gym_train.episode import TokenSequence, build_datum
+from agent_gym_train.models import load_tokenizer
 
 OPENING = [
     {"role": "system", "content": "You are an agent. Use the python tool, then answer."},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,15 @@ def _run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[st
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # builds a venv: minutes on a loaded 2-core machine
 def test_a_fresh_venv_from_the_wheel_runs_every_env(tmp_path: Path) -> None:
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)])
+    # Built from a copy of the tracked files: setuptools writes build/ and *.egg-info into the
+    # tree it builds, and a stale egg-info at the root shadows the installed entry points.
+    source = tmp_path / "source"
+    for name in _run(["git", "ls-files"], cwd=ROOT).stdout.splitlines():
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path),
+          str(source)])
     (wheel,) = tmp_path.glob("agent_gym-*.whl")
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)])

@@ -1,4 +1,4 @@
-"""The packages point one way: ``trainers`` imports ``agent_gym``, never the reverse."""
+"""The packages point one way: ``agent_gym_train`` imports ``agent_gym``, never the reverse."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_no_agent_gym_module_imports_trainers() -> None:
+def test_no_agent_gym_module_imports_agent_gym_train() -> None:
     offenders = {
         str(path.relative_to(PACKAGE)): sorted(
-            name for name in _imported_modules(path) if name.split(".")[0] == "trainers"
+            name for name in _imported_modules(path) if name.split(".")[0] == "agent_gym_train"
         )
         for path in PACKAGE.rglob("*.py")
     }
@@ -36,7 +36,7 @@ def test_no_agent_gym_module_imports_trainers() -> None:
 
 def test_env_commands_eval_and_envs_load_no_trainer_module(tmp_path: Path) -> None:
     """`agent-gym eval` with a scripted policy, `envs` and the env packages run without
-    `trainers` ever entering the process."""
+    `agent_gym_train` ever entering the process."""
     script = f"""
 import sys
 import gymnasium
@@ -47,7 +47,7 @@ main(["eval", "agent_gym/GSM8K-v0", "--episodes", "2", "--quiet", "--out", {str(
 env = gymnasium.make("agent_gym/Search-v0")
 env.reset(seed=0)
 env.close()
-loaded = sorted(m for m in sys.modules if m.split(".")[0] == "trainers")
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "agent_gym_train")
 assert not loaded, loaded
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -75,7 +75,7 @@ def test_missing_extra_messages_name_a_command_that_works_from_a_clone() -> None
     assert install_hint("search") == (
         "install the 'search' extra (in the agent-gym checkout: pip install -e '.[search]')")
     root = Path(__file__).resolve().parents[1]
-    offenders = [str(path.relative_to(root)) for package in ("agent_gym", "trainers")
+    offenders = [str(path.relative_to(root)) for package in ("agent_gym", "agent_gym_train")
                  for path in (root / package).rglob("*.py")
                  if "pip install 'agent-gym[" in path.read_text(encoding="utf-8")]
     assert offenders == []

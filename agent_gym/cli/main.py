@@ -1,6 +1,6 @@
 """The ``agent-gym`` command line: each area registers its own subcommands.
 
-Commands from other installed packages (the bundled ``trainers`` adds ``agent-gym train``)
+Commands from other installed packages (the bundled ``agent_gym_train`` adds ``agent-gym train``)
 come in through the ``agent_gym.commands`` entry-point group: each entry is named after its
 command and is a ``register(subparsers)`` function. It is imported only when its command
 runs (or for the overview), so the env commands never import another package.
@@ -26,9 +26,9 @@ from typing import Any, NoReturn
 import gymnasium
 
 import agent_gym
-from agent_gym.cli import runs as runs_cli
 from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.alfworld.games import GameError
+from agent_gym.cli import runs as runs_cli
 from agent_gym.data import DataError
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.eval.compare import CompareError

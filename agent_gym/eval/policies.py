@@ -25,7 +25,7 @@ The sampler policies (``local``, ``pytrio``) need torch or the PyTRIO SDK, which
 package does not depend on: another installed package supplies them under the
 ``agent_gym.policies`` entry-point group, one entry per spec prefix, each a callable
 ``(spec, *, seed, max_tokens, temperature, device, threads) -> Policy`` (``device`` and
-``threads`` place a local model; remote samplers ignore them). The bundled ``trainers``
+``threads`` place a local model; remote samplers ignore them). The bundled ``agent_gym_train``
 package registers both.
 
 A prompt longer than the policy's context is an outcome of the episode, not a failure of
@@ -98,7 +98,7 @@ def derive_seed(*parts: object) -> int:
     """The one seed derivation: a 31-bit seed from (run seed, episode, rollout, turn, ...).
 
     Seeds depend on what they are for, never on scheduling order, so a resumed or
-    concurrent run draws what an uninterrupted sequential one would (``trainers.run``
+    concurrent run draws what an uninterrupted sequential one would (``agent_gym_train.run``
     derives its step and group seeds with it too).
     """
     key = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()

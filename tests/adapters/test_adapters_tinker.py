@@ -1,5 +1,5 @@
 """tinker-cookbook's own rollout code on the adapter's EnvGroupBuilder, sampled by the local
-backend through a TokenCompleter (the completer lives here: agent_gym never imports trainers)."""
+backend through a TokenCompleter (the completer lives here: agent_gym never imports agent_gym_train)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from agent_gym.adapters.tinker import (
     AgentGymRLDataset,
     reply_text,
 )
-from trainers.backends.local import LocalServiceClient
-from trainers.models import smollm2_tokenizer_dir
+from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.models import smollm2_tokenizer_dir
 
 
 class LocalTokenCompleter(TokenCompleter):

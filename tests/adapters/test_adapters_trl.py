@@ -16,7 +16,7 @@ from trl.chat_template_utils import add_response_schema, parse_response, qwen3_c
 
 from agent_gym.adapters.trl import env_reward, trl_dataset, trl_environment  # noqa: E402
 from agent_gym.env.state import EnvState  # noqa: E402
-from trainers.models import load_tokenizer, tiny_model  # noqa: E402
+from agent_gym_train.models import load_tokenizer, tiny_model  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

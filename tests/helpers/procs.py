@@ -3,6 +3,7 @@ question, with processes that vanish mid-scan skipped."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,9 +28,26 @@ def uid(fields: dict[str, str]) -> int:
 
 
 def live_pids_of(user: int) -> set[int]:
-    """Processes of ``user`` that are not zombies."""
+    """Processes of ``user`` that are not zombies, but those another pytest-xdist worker
+    started: the workers share the machine's sandbox user, so one worker's live sandboxes
+    are not another's leftovers. An orphan (reparented past every worker) still counts."""
+    parents = {pid: int(fields.get("PPid", "0")) for pid, fields in statuses()}
+    workers_parent, me = os.getppid(), os.getpid()
+
+    def a_sibling_workers(pid: int) -> bool:
+        seen: set[int] = set()
+        while pid > 1 and pid not in seen:
+            seen.add(pid)
+            if pid == me:
+                return False
+            if parents.get(pid) == workers_parent:
+                return "PYTEST_XDIST_WORKER" in os.environ
+            pid = parents.get(pid, 0)
+        return False
+
     return {pid for pid, fields in statuses()
-            if uid(fields) == user and not fields.get("State", "").startswith("Z")}
+            if uid(fields) == user and not fields.get("State", "").startswith("Z")
+            and not a_sibling_workers(pid)}
 
 
 def marked(marker: str) -> list[int]:

@@ -47,8 +47,8 @@ from pytrio.runtime.event_loop import SDKEventLoopRunner
 from pytrio.runtime.service import ActorHeartbeatHandle
 from pytrio.types import APIFuture
 
-from trainers.backends.local import LocalServiceClient, LocalTrainingClient
-from trainers.models import load_tokenizer
+from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
+from agent_gym_train.models import load_tokenizer
 
 MAX_SAMPLES_PER_REQUEST = 3  # small, so the SDK must split every realistic batch
 

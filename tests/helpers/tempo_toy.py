@@ -24,8 +24,8 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from agent_gym.render import ChatRenderer
+from agent_gym_train.models import tiny_model
 from tests.helpers.grpo_toy import word_level_tokenizer
-from trainers.models import tiny_model
 
 WORDS = ["<value>", "</value>", *"0123456789", ".", " ", "\n", "system", "user", "assistant",
          "tool", "no"]

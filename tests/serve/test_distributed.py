@@ -110,7 +110,7 @@ def test_eval_through_ray_equals_the_single_process_run(tmp_path: Path) -> None:
 def test_grpo_creates_its_env_actors_once_per_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from trainers.grpo import Args, train
+    from agent_gym_train.grpo import Args, train
 
     created: list[RemoteEnv] = []
     closed: list[RemoteEnv] = []

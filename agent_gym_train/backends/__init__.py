@@ -1,0 +1,36 @@
+"""Training backends with one client surface: ``local`` (torch) and ``pytrio`` (remote)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("local", "pytrio")
+
+
+def make_service(
+    backend: str,
+    *,
+    checkpoint_dir: str | Path | None = None,
+    api_key: str | None = None,
+    device: str = "auto",
+    threads: int | None = None,
+    activation_checkpointing: bool = False,
+) -> Any:
+    """A service client: ``LocalServiceClient`` or an authenticated ``pytrio.ServiceClient``.
+
+    ``device`` and ``threads`` place the local backend (``agent_gym_train.backends.runtime``) and
+    ``activation_checkpointing`` trades its learner time for memory; the remote service
+    decides its own hardware. Imported lazily: the local backend pulls in
+    torch, the remote one a network session.
+    """
+    if backend == "local":
+        from agent_gym_train.backends.local import LocalServiceClient
+
+        return LocalServiceClient(checkpoint_dir=checkpoint_dir, device=device, threads=threads,
+                                  activation_checkpointing=activation_checkpointing)
+    if backend == "pytrio":
+        from agent_gym_train.backends.pytrio import connect
+
+        return connect(api_key)
+    raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,174 @@
+"""GRPO on agent_gym environments, in one file you can read top to bottom.
+
+    python -m agent_gym_train.grpo --env-id agent_gym/GSM8K-v0 --steps 20
+    agent-gym train grpo --env-id agent_gym/GSM8K-v0 --backend pytrio --model Qwen/Qwen3-4B
+
+Each step: take a sampler on the current weights; pick ``batch_size`` tasks; roll out
+``group_size`` branches of each (multi-turn, token-continuous); advantage = reward minus the
+group's mean reward (optionally over its std); skip and count groups whose rewards are all
+equal (no learning signal); one forward-backward on every datum of the step and one
+``optim_step``. Episodes play the env's own turn budget unless ``--max-turns`` says
+otherwise. Everything that is not GRPO (arguments every trainer takes, the training client,
+the env pool reused by every step, the update, metrics lines, checkpoints and continuing a
+stopped run) is in ``agent_gym_train.run``.
+
+The objective (``agent_gym_train.losses``), and why each option exists:
+
+* ``--loss importance_sampling`` (default) | ``ppo`` | ``cispo``: pytrio's own losses. ppo
+  clips the token ratio so a step cannot move far from the sampler; cispo (MiniMax-M1)
+  clips only the ratio's weight and keeps every token's gradient, so rare tokens that
+  matter ("wait", "recheck") are not silenced by the clip.
+* ``--loss gspo`` (GSPO): one ratio per episode, the geometric mean of its token ratios,
+  clipped as a whole: the reward is the episode's, so is the correction. Runs through
+  ``forward_backward_custom``, unchanged on both backends.
+* ``--clip-low``/``--clip-high`` (DAPO's clip-higher): ratios are clipped to
+  ``[1 - low, 1 + high]``; a higher upper bound lets unlikely good tokens grow, which keeps
+  exploration (entropy) from collapsing. Defaults per loss (see ``--help``).
+* ``--dynamic-sampling`` (DAPO): a degenerate group trains nothing, so a step whose groups
+  are mostly degenerate is a wasted, noisy step; with it, more tasks are rolled out until
+  ``batch_size`` groups have a signal or ``--max-refill-groups`` extra groups were drawn
+  (``refill_groups`` in the metrics says how many).
+* ``--loss-aggregation token-mean`` (pytrio's built-in; DAPO's token-level loss: long
+  replies get their full weight) | ``sequence-mean`` (GRPO's original: each episode weighs
+  the same; via ``forward_backward_custom``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+from pytrio import Datum
+
+from agent_gym_train.episode import Episode, build_datum
+from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
+from agent_gym_train.run import (
+    OUT_HELP,
+    Metrics,
+    RunArgs,
+    ServiceClient,
+    device_defaults,
+    final_line,
+    open_run,
+    option,
+)
+from agent_gym_train.run import parse_args as parse_run_args
+
+
+@dataclass
+class Args(RunArgs):
+    out: str = option("runs/grpo", OUT_HELP)
+    steps: int = option(20, "training steps of the whole run")
+    group_size: int | None = option(
+        None, "branches (episodes) per task; advantages are centred in it (default: 4 when the "
+        "local backend runs on CPU, else 8)")
+    normalize_std: bool = option(False, "divide advantages by the group's reward std")
+    dynamic_sampling: bool = option(
+        False, "DAPO's dynamic sampling: roll out more tasks until --batch-size groups have a "
+        "learning signal (rewards not all equal)")
+    max_refill_groups: int = option(
+        8, "with --dynamic-sampling: extra groups a step may roll out at most")
+    history_window: int | None = option(
+        None, "show the policy the task and only the last N turns, as `agent-gym eval "
+        "--history-window N` does (each cut restarts the token-continuous prompt)")
+
+    DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
+        **RunArgs.DEVICE_DEFAULTS, "group_size": (4, 8)}
+
+    def problems(self) -> list[str]:
+        return [*super().problems(),
+                *(["--steps and --group-size must be positive"]
+                  if min(self.steps, 1 if self.group_size is None else self.group_size) < 1
+                  else []),
+                *(["--max-refill-groups must not be negative"] if self.max_refill_groups < 0
+                  else []),
+                *(["--history-window must be positive"]
+                  if self.history_window is not None and self.history_window < 1 else [])]
+
+    def branches_per_task(self) -> int:
+        return self.group_size or 1
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    return parse_run_args(Args, argv, "agent-gym train grpo", __doc__.split("\n\n")[0])
+
+
+def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
+    """Run (or resume) GRPO; returns this invocation's per-step metrics."""
+    history: list[Metrics] = []
+    args = device_defaults(args)
+    with open_run(args, args.steps, service) as run:
+        config = run_rollout_config(run, args.group_size, args.history_window)
+        for step in run.progress():
+            t0 = time.perf_counter()
+            # ---- a fresh sampler on the current weights
+            sampler = run.training.save_weights_and_get_sampling_client()
+            t1 = time.perf_counter()
+
+            # ---- rollouts: batch_size tasks x group_size branches
+            rng = run.rng(step)
+            groups = rollout_step(run, step, sampler, run.tasks(rng, args.batch_size), config)
+            # ---- dynamic sampling: refill the degenerate groups (rewards all equal) with
+            #      more tasks, up to max_refill_groups extra groups
+            refills = 0
+            while args.dynamic_sampling and refills < args.max_refill_groups:
+                missing = args.batch_size - sum(not degenerate(g) for g in groups)
+                if missing <= 0:
+                    break
+                more = min(missing, args.max_refill_groups - refills)
+                groups += rollout_step(run, step, sampler, run.tasks(rng, more), config,
+                                       purpose=f"refill-{refills}")
+                refills += more
+            t2 = time.perf_counter()
+
+            # ---- advantages and datums; groups without signal are skipped
+            datums: list[Datum] = []
+            for group in groups:
+                if degenerate(group):
+                    continue
+                rewards = np.array([episode.reward for episode in group])
+                advantages = rewards - rewards.mean()
+                if args.normalize_std:
+                    advantages /= rewards.std() + 1e-6
+                datums += [build_datum(sequence, float(advantage))
+                           for episode, advantage in zip(group, advantages, strict=True)
+                           for sequence in episode.sequences]
+
+            # ---- one update on the whole logical batch
+            trained = run.update(datums)
+            t3 = time.perf_counter()
+
+            # ---- metrics, then checkpoint (so a step counted done always has its line)
+            skipped = sum(degenerate(g) for g in groups)
+            row = {"step": step, **rollout_metrics([e for g in groups for e in g]),
+                   "groups": len(groups), "degenerate_groups": skipped,
+                   "degenerate_rate": skipped / len(groups), "refill_groups": refills,
+                   **trained,
+                   "time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
+                   "time_step": time.perf_counter() - t0}
+            run.finish(step, row, shown={"reward": round(row["reward_mean"], 3),
+                                         "degenerate": skipped})
+            history.append(row)
+    return history
+
+
+def degenerate(group: Sequence[Episode]) -> bool:
+    """A group whose rewards are all equal: every advantage is 0, nothing to learn."""
+    return len({episode.reward for episode in group}) <= 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    history = train(args)
+    print(final_line(history, Path(args.out),
+                     reward_mean=history[-1]["reward_mean"] if history else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,677 @@
+"""TEMPO on agent_gym environments: macro-steps from saved states, judged by a generative
+critic that shares the policy's weights. One file you can read top to bottom.
+
+    python -m agent_gym_train.tempo --env-id agent_gym/ALFWorld-v0 --env-kwargs '{"max_turns": 30}'
+    agent-gym train tempo --backend pytrio --model Qwen/Qwen3-4B --horizon 10
+    agent-gym train plot runs/tempo          # metrics.png of a run (agent_gym_train.plot)
+
+The method. A long episode is cut into macro-steps of H turns. A macro-step starts from a
+saved state s (a ``ResumePoint``: env state plus the exact prompt tokens there; see
+``agent_gym_train.store``) or from
+a fresh task, and runs N branches for H turns. The same weights, prompted as a critic with
+what the actor never sees (``agent_gym_train.critic``), value where each branch ended:
+V(end) = the mean of M critic samples, or 0 if the episode is over. Then, per group,
+
+    R_n = r_n + V(end_n)          r_n: the env reward collected inside the macro-step
+    G   = mean_n R_n
+    A_n = (R_n - G) * w           actor advantage; w: the prefix importance weight of s
+    c_k = -|V_k - G| / R_max      reward of critic sample k at s (-1 if unparsable),
+                                  centred over the K samples and one more reply that
+                                  states G itself (``Critic.target_reply``; its reward is
+                                  0), so K samples that agree on a wrong value still learn
+
+A group whose R_n are all equal, or whose critic rewards are all equal, teaches nothing and
+is skipped (and counted). ``--critic-loss cross_entropy`` fits the critic another way: the
+reply stating G is trained as a demonstration (a regression onto G in the critic's own
+words), every state counts, and the K samples only measure, so they may be drawn greedily
+(``--critic-temperature 0``: the critic's most likely value, where a sample at temperature
+1 adds the spread of its guesses). ``--critic-readout median`` reads V at every state as
+the median of the critic's distribution over the replies stating 0, R_max/4, ..., R_max,
+each scored (``Critic.median``): the estimate absolute error asks for.
+
+Before the TD updates, ``warmup_updates`` updates train the critic
+alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
+2H, ... with target = the reward the episode still collected after that turn, and at each
+task's opening (where fresh TD groups start) with target = the mean return of its N
+episodes. ``--critic-replay R`` (cross-entropy only) sends R earlier warm-up critic datums
+again with every later update, drawn so the update's targets are mixed as all of
+warm-up's (``replay``): a few states a step, each fitted once, leave a small critic at
+their mean, swinging with each update's mix. On Search-v0 from a 3-epoch SFT checkpoint,
+cross-entropy with the median readout beat the best constant after warm-up in three runs
+of three with ``--critic-replay 8`` (pooled over 96 states 0.294 against 0.375, gain
+interval [0.010, 0.154]) and in one of three with the same flags and no replay (0.408
+against 0.368, gain [-0.12, 0.05]; README, TEMPO). Every update sends its actor and critic
+datums in one ``forward_backward`` and takes one ``optim_step``.
+
+Cut replies. A reply cut by ``--max-tokens`` ends a rollout's episode by default (it is
+never shown to the env). For a small model at a CPU reply budget most replies are cut, so
+no warm-up episode lived to turn H and warm-up found no state at all (the embedded
+SmolLM2 on ALFWorld-v0: 0 boundary states), which left TD nothing to restore either. So
+TEMPO shows a cut reply to the env, which judges its text as it stands (mostly an invalid
+action) while the episode goes on (``cut_replies`` counts them; ``--no-cut-continues``
+restores the cut as an end). The critic's reply is prefilled with ``<value>``, so its
+budget (``--critic-max-tokens``) only has to hold a number and the closing tag.
+
+States come from the store: each TD update draws states (consumed, never reused), leaves
+``fresh_fraction`` of its groups to fresh tasks, drops states more than ``staleness``
+policy versions old, and stores every branch that stopped at the horizon with room to go on;
+warm-up episodes add their states at turns H, 2H, ... A state reached by an older policy was
+visited with that policy's probability, not the current one's, so the group's actor
+advantages are weighted by w = min(cap, exp(sum log pi_now - sum log pi_old)) over the
+prefix's sampled tokens (``--no-prefix-is`` turns it off). Restored branches are checked
+against the saved chat, observation included (``agent_gym_train.rollout``).
+
+Everything that is not TEMPO (arguments every trainer takes, the training client, the env
+pool, the update, metrics lines, checkpoints and continuing a stopped run) is in
+``agent_gym_train.run``; the store is saved with every checkpoint and restored with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+from pytrio import Datum, ModelInput
+
+from agent_gym_train.critic import READOUTS, Critic, CriticSample, critic_rewards, gather_values
+from agent_gym_train.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
+from agent_gym_train.rollout import RolloutConfig, rollout_groups, rollout_metrics
+from agent_gym_train.run import (
+    OUT_HELP,
+    Metrics,
+    Run,
+    RunArgs,
+    RunConfigError,
+    Sampler,
+    ServiceClient,
+    device_defaults,
+    final_line,
+    open_run,
+    option,
+)
+from agent_gym_train.run import parse_args as parse_run_args
+from agent_gym_train.store import StateStore, cut, fresh_quota
+
+# A branch that ended like this has no future reward: V(end) = 0. With --no-cut-continues
+# a cut reply ends the episode too (it is never shown to the env), so its cut reward is all
+# it gets. A branch
+# that ran out of trajectory tokens stopped for a budget, not in the game: its value is
+# estimated like any other endpoint (the seed lab counted it as terminal).
+TERMINAL_ENDS = frozenset({"terminated", "truncated", "max_tokens"})
+# How the critic learns its targets (--critic-loss).
+CRITIC_LOSSES = ("reward", "cross_entropy")
+
+
+@dataclass
+class Args(RunArgs):
+    env_id: str = option("agent_gym/ALFWorld-v0", "the env to train on (see `agent-gym envs`)")
+    batch_size: int | None = option(
+        4, "groups per update: tasks (warm-up), states or fresh tasks (TD)")
+    max_trajectory_tokens: int = option(12000, "tokens per episode, prompt included")
+    out: str = option("runs/tempo", OUT_HELP)
+    warmup_updates: int = option(4, "critic-only updates on Monte Carlo returns, first")
+    td_updates: int = option(40, "macro-step (TD) updates after the warm-up")
+    horizon: int = option(10, "H: turns per macro-step")
+    branches: int = option(4, "N: branches per group")
+    critic_samples: int = option(4, "K: trained critic samples per start state")
+    endpoint_samples: int = option(2, "M: critic samples averaged into V(end)")
+    store_capacity: int = option(256, "saved states kept (oldest evicted first)")
+    fresh_fraction: float = option(0.25, "share of each TD update's groups from fresh tasks "
+                                         "(at least one)")
+    staleness: int = option(8, "drop stored states more than this many policy versions old")
+    r_max: float = option(1.0, "largest reward still to come; critic values live in "
+                               "[0, r_max]")
+    prefix_is: bool = option(True, "weight restored groups by the prefix importance ratio")
+    is_cap: float = option(2.0, "truncation of that ratio")
+    critic_max_tokens: int = option(
+        16, "tokens per critic reply: the reply is prefilled with <value>, so a number and "
+        "</value> (about 8 tokens) is all a parse needs")
+    critic_target_reply: bool = option(
+        True, "train each critic group with one more reply, the one stating its target "
+        "(scored, not sampled), so a critic whose K samples agree still learns "
+        "(--no-critic-target-reply: the sampled replies alone)")
+    critic_loss: str = option(
+        "reward", "how the critic learns its targets: reward (its K sampled replies earn "
+        "-|V_k - G| / R_max and train by the policy loss, with the target's reply) or "
+        "cross_entropy (the reply stating G trains as a demonstration; the K samples only "
+        "measure)", CRITIC_LOSSES)
+    critic_temperature: float = option(
+        1.0, "the critic's sampling temperature; 1 under --critic-loss reward, which trains "
+        "on its samples; with cross_entropy 0 reads its most likely value")
+    critic_readout: str = option(
+        "samples", "how V is read at a state: samples (the mean of --endpoint-samples "
+        "sampled replies) or median (the median of the critic's distribution over the "
+        "replies stating 0, R_max/4, ..., R_max, each scored: what absolute error asks for; "
+        "the critic's accuracy metrics are then this value's)", READOUTS)
+    critic_replay: int = option(
+        0, "under --critic-loss cross_entropy, warm-up states retrained in every later "
+        "update (their target replies, drawn anew each update from all earlier warm-up "
+        "updates, stratified by target): the critic sees each Monte Carlo target several "
+        "times at no rollout cost (saved with the state store)")
+    cut_continues: bool = option(
+        True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
+        "the cut ends the episode, worth its reward so far)")
+
+    def problems(self) -> list[str]:
+        checks = [
+            (min(self.warmup_updates, self.td_updates) < 0
+             or self.warmup_updates + self.td_updates < 1,
+             "--warmup-updates and --td-updates must be >= 0, with at least one update"),
+            (min(self.horizon, self.endpoint_samples, self.store_capacity) < 1,
+             "--horizon, --endpoint-samples and --store-capacity must be positive"),
+            (min(self.branches, self.critic_samples) < 2,
+             "--branches and --critic-samples must be at least 2 (a group of one has no signal)"),
+            (not 0 < self.fresh_fraction <= 1, "--fresh-fraction must be in (0, 1]"),
+            (0 < self.fresh_fraction < 1 and self.batch_size > 0
+             and fresh_quota(self.batch_size, self.fresh_fraction) == self.batch_size,
+             f"--fresh-fraction {self.fresh_fraction} of --batch-size {self.batch_size} rounds "
+             "up to every group: raise the batch or pass 1"),
+            (self.staleness < 1, "--staleness must be >= 1: a state is drawn at least one "
+             "policy version after it was made"),
+            (not (math.isfinite(self.r_max) and self.r_max > 0), "--r-max must be positive"),
+            (self.is_cap < 1, "--is-cap must be at least 1"),
+            (self.critic_loss == "reward" and self.critic_temperature != 1.0,
+             "--critic-temperature must be 1 under --critic-loss reward: its samples train "
+             "by the policy loss, which scores them untempered"),
+            (not 0 <= self.critic_temperature <= 2, "--critic-temperature must be in [0, 2]"),
+            (self.critic_replay < 0, "--critic-replay must be >= 0"),
+            (self.critic_replay > 0 and self.critic_loss != "cross_entropy",
+             "--critic-replay retrains target replies by cross-entropy: it needs "
+             "--critic-loss cross_entropy"),
+            (self.critic_loss == "cross_entropy" and not self.critic_target_reply,
+             "--critic-loss cross_entropy trains the target's reply: drop "
+             "--no-critic-target-reply"),
+        ]
+        return [*super().problems(), *(message for failed, message in checks if failed)]
+
+    def branches_per_task(self) -> int:
+        return self.branches
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Args:
+    return parse_run_args(Args, argv, "agent-gym train tempo", __doc__.split("\n\n")[0])
+
+
+# --------------------------------------------------------------------- the method's formulas
+def macro_returns(rewards: Sequence[float], end_values: Sequence[float]) -> np.ndarray:
+    """R_n = r_n + V(end_n)."""
+    return np.asarray(rewards, dtype=np.float64) + np.asarray(end_values, dtype=np.float64)
+
+
+def centred(values: Sequence[float] | np.ndarray) -> np.ndarray | None:
+    """``values - mean(values)``, or None when they are all equal (a degenerate group)."""
+    array = np.asarray(values, dtype=np.float64)
+    if np.ptp(array) == 0:
+        return None
+    return array - array.mean()
+
+
+def prefix_weight(current_sum: float, old_sum: float, cap: float) -> tuple[float, bool]:
+    """w = min(cap, exp(current - old)) and whether the cap cut it."""
+    log_ratio = current_sum - old_sum
+    if log_ratio >= math.log(cap):
+        return cap, True
+    return math.exp(log_ratio), False
+
+
+def value_corr(values: Sequence[float], targets: Sequence[float]) -> float | None:
+    """Pearson correlation of critic values and their targets (None if undefined)."""
+    if len(values) < 2 or np.ptp(values) == 0 or np.ptp(targets) == 0:
+        return None
+    return float(np.corrcoef(values, targets)[0, 1])
+
+
+def value_gap_zero_reward(
+    groups: Sequence[tuple[Sequence[float], Sequence[float]]],
+) -> float | None:
+    """How far the critic tells apart branches the env paid nothing: per group (rewards,
+    end values), the spread max - min of V(end) over its zero-reward branches, averaged over
+    groups with at least two of them. 0 means the critic adds no signal where the env has
+    none."""
+    gaps = []
+    for rewards, values in groups:
+        zero = [v for r, v in zip(rewards, values, strict=True) if r == 0]
+        if len(zero) >= 2:
+            gaps.append(max(zero) - min(zero))
+    return float(np.mean(gaps)) if gaps else None
+
+
+# --------------------------------------------------------------------- the loop
+@dataclass(frozen=True)
+class Tempo:
+    """What every update of a TEMPO run shares beyond the run itself."""
+
+    run: Run
+    args: Args
+    critic: Critic
+    full: RolloutConfig  # warm-up: whole episodes
+    macro: RolloutConfig  # TD: H turns
+
+
+@dataclass
+class Batch:
+    """One update's datums (for the run's objective, and for cross-entropy), metrics and
+    the states it found."""
+
+    datums: list[Datum]
+    supervised: list[Datum]
+    metrics: Metrics
+    states: list[ResumePoint]
+
+
+def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
+    """Run (or resume) TEMPO; returns this invocation's per-update metrics."""
+    history: list[Metrics] = []
+    args = device_defaults(args)
+    with open_run(args, args.warmup_updates + args.td_updates, service) as run:
+        # ---- the state store: empty, or the one saved with the checkpoint resumed from
+        store = StateStore(args.store_capacity, args.staleness)
+        if run.resumed is not None:
+            if run.resumed.store is None:
+                raise RunConfigError(f"the checkpoint in {run.out} has no state store: it is "
+                                     "not a TEMPO run")
+            saved = (run.out / run.resumed.store).read_text(encoding="utf-8")
+            store = StateStore.from_json(saved, args.store_capacity, args.staleness)
+        budgets = {"group_size": args.branches, "max_tokens": args.max_tokens,
+                   "max_trajectory_tokens": args.max_trajectory_tokens,
+                   "temperature": args.temperature, "keep_states": True,
+                   "cut_continues": args.cut_continues}
+        tempo = Tempo(
+            run, args,
+            Critic(run.renderer, r_max=args.r_max, max_tokens=args.critic_max_tokens,
+                   temperature=args.critic_temperature, readout=args.critic_readout),
+            full=RolloutConfig(max_turns=run.max_turns, **budgets),
+            macro=RolloutConfig(max_turns=args.horizon, **budgets),
+        )
+        for step in run.progress():
+            t0 = time.perf_counter()
+            # ---- a fresh sampler on the current weights: policy version `step`
+            sampler = run.training.save_weights_and_get_sampling_client()
+            warmup = step < args.warmup_updates
+            if warmup:
+                batch = asyncio.run(warmup_batch(tempo, sampler, step, store))
+            else:
+                batch = asyncio.run(td_batch(tempo, sampler, step, store))
+            t1 = time.perf_counter()
+
+            # ---- one update on actor and critic datums together
+            trained = run.update(batch.datums, supervised=batch.supervised)
+            t2 = time.perf_counter()
+            evicted = store.add(batch.states)
+
+            # ---- metrics, then checkpoint (weights, optimizer and store)
+            row = {"step": step, "phase": "warmup" if warmup else "td", **batch.metrics,
+                   "td/stored": len(batch.states), "td/evicted": evicted,
+                   "td/store_size": len(store), **trained, "time_rollout": t1 - t0,
+                   "time_train": t2 - t1, "time_step": time.perf_counter() - t0}
+            run.finish(step, row, store, shown={"error": row.get("critic/abs_error_mean"),
+                                                "store": len(store)})
+            history.append(row)
+    return history
+
+
+# --------------------------------------------------------------------- warm-up
+async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore) -> Batch:
+    """Full episodes; the critic learns the Monte Carlo return at the openings and at turns
+    H, 2H, ..."""
+    run, args, rng = tempo.run, tempo.args, tempo.run.rng(step)
+    tasks = run.tasks(rng, args.batch_size)
+    groups = await rollout_groups(
+        run.envs, tasks, sampler, run.renderer, tempo.full,
+        seeds=[run.seed(step, "warmup", g) for g in range(len(tasks))],
+        concurrency=args.concurrency,
+    )
+    episodes = [episode for group in groups for episode in group]
+    asked = monte_carlo_targets(groups, args.horizon)
+    # Every boundary is stored for TD; the openings are not (TD draws fresh tasks itself).
+    cuts = [cut(e, k, step) if k else None for e, k, _ in asked]
+    states = [state for state in cuts if state is not None]
+    # The critic is trained on at most one state per branch rolled out, a TD update's cost.
+    chosen = sorted(rng.choice(len(asked), size=min(len(asked), len(episodes)), replace=False))
+    prompts = [_opening_prompt(tempo, asked[i][0]) if cuts[i] is None
+               else _critic_prompt(tempo, cuts[i]) for i in chosen]
+    samples = await asyncio.gather(*(
+        tempo.critic.sample(sampler, prompt, args.critic_samples, run.seed(step, "critic", i))
+        for i, prompt in zip(chosen, prompts, strict=True)
+    ))
+    targets = [asked[i][2] for i in chosen]
+    replies = await _target_replies(tempo, sampler, prompts, targets)
+    datums, supervised, metrics = critic_fit(
+        samples, targets, args, replies, await _estimates(tempo, sampler, prompts))
+    replayed = _replayed(store, args, targets, rng)
+    if args.critic_replay:  # cross-entropy: one target reply per state, kept with the store
+        store.critic_replay.extend((reply.sequence, target)
+                                   for reply, target in zip(replies, targets, strict=True))
+    metrics |= rollout_metrics(episodes)
+    flat = [s for group in samples for s in group]
+    metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
+                "critic/parse_failure_rate": _failure_rate(flat),
+                "critic/replayed": len(replayed)}
+    return Batch(datums, supervised + replayed, metrics, states)
+
+
+def monte_carlo_targets(
+    groups: Sequence[Sequence[Episode]], horizon: int
+) -> list[tuple[Episode, int, float]]:
+    """Where warm-up may ask the critic, as (episode, turn, target); turn 0 is the opening.
+
+    Each task's opening is where every fresh TD group starts, so the critic must value it
+    too; all N branches left from there, so its target is their mean return (a less noisy
+    estimate than any one of them). Then every boundary H, 2H, ... before an episode's last
+    turn: the episode went on from there, so the state is not terminal and the rewards it
+    still collected are a Monte Carlo return."""
+    asked = [(group[0], 0, float(np.mean([e.reward for e in group]))) for group in groups
+             if group]
+    asked += [(e, k, e.reward - sum(e.step_rewards[:k])) for group in groups for e in group
+              for k in range(horizon, e.turns, horizon)]
+    return asked
+
+
+# --------------------------------------------------------------------- TD update
+async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore) -> Batch:
+    """Macro-steps from stored states and fresh tasks; actor and critic datums."""
+    run, args, rng = tempo.run, tempo.args, tempo.run.rng(step)
+    # ---- start points: stored states (consumed) and at least the fresh quota of new tasks
+    restored, stale = store.draw(args.batch_size, args.fresh_fraction, step, rng)
+    fresh = args.batch_size - len(restored)
+    starts = [*restored, *run.tasks(rng, fresh)]
+
+    # ---- prefix importance weights of the restored states under the current policy
+    weights = [1.0] * len(starts)
+    clipped = [False] * len(starts)
+    if args.prefix_is and restored:
+        scored = await asyncio.gather(*(
+            sampler.compute_logprobs_async(ModelInput.from_ints(list(s.sequence.tokens)))
+            for s in restored
+        ))
+        for i, (state, logprobs) in enumerate(zip(restored, scored, strict=True)):
+            weights[i], clipped[i] = prefix_weight(
+                state.sequence.score(logprobs), state.sequence.logprob_sum, args.is_cap
+            )
+
+    # ---- N branches of H turns from each start
+    groups = await rollout_groups(
+        run.envs, starts, sampler, run.renderer, tempo.macro,
+        seeds=[run.seed(step, "td", g) for g in range(len(starts))],
+        concurrency=args.concurrency,
+    )
+
+    # ---- critic: K trained samples at each start, M averaged samples at each endpoint
+    start_prompts = [
+        _critic_prompt(tempo, g[0].start) if g[0].start is not None
+        else _opening_prompt(tempo, g[0]) for g in groups
+    ]
+    episodes = [e for g in groups for e in g]
+    end_prompts = [
+        None if e.end_reason in TERMINAL_ENDS
+        else tempo.critic.prompt(e.messages, e.opening_messages, e.privileged)
+        for e in episodes
+    ]
+    start_samples, end_values = await asyncio.gather(
+        asyncio.gather(*(
+            tempo.critic.sample(sampler, p, args.critic_samples, run.seed(step, "start", i))
+            for i, p in enumerate(start_prompts)
+        )),
+        gather_values(tempo.critic, sampler, end_prompts, args.endpoint_samples,
+                      [run.seed(step, "end", i) for i in range(len(episodes))]),
+    )
+
+    # ---- actor signals: R_n = r_n + V(end_n), A_n = (R_n - mean R) * w
+    datums: list[Datum] = []
+    targets: list[float] = []
+    degenerate = 0
+    paid: list[tuple[list[float], list[float]]] = []
+    values = iter(end_values)
+    for group, weight in zip(groups, weights, strict=True):
+        ends = [next(values)[0] for _ in group]
+        group_datums, target = actor_update(group, ends, weight)
+        targets.append(target)
+        if group_datums is None:
+            degenerate += 1
+        else:
+            datums += group_datums
+        paid.append(([e.reward for e in group], ends))
+    actor_datums = len(datums)
+
+    # ---- critic signals at the start states, against G = mean R
+    critic_datums, supervised, metrics = critic_fit(
+        start_samples, targets, args,
+        await _target_replies(tempo, sampler, start_prompts, targets),
+        await _estimates(tempo, sampler, start_prompts))
+    datums += critic_datums
+    replayed = _replayed(store, args, targets, rng)
+
+    # ---- where branches stopped at the horizon with room to go on: new states
+    states = [
+        cut(e, e.turns, step) for e in episodes
+        if e.end_reason == "max_turns" and e.next_prompt is not None
+        and len(e.next_prompt) < args.max_trajectory_tokens
+    ]
+    all_samples = [s for g in start_samples for s in g] + [s for _, g in end_values for s in g]
+    weighted = weights[: len(restored)]
+    metrics |= rollout_metrics(episodes)
+    metrics |= {
+        "critic/parse_failure_rate": _failure_rate(all_samples),
+        "critic/samples": len(all_samples),
+        "actor/value_gap_zero_reward": value_gap_zero_reward(paid),
+        "actor/degenerate_group_rate": degenerate / len(groups),
+        "actor/return_mean": float(np.mean(targets)),
+        "actor/datums": actor_datums,
+        "critic/replayed": len(replayed),
+        "td/fresh_states": fresh,
+        "td/restored_states": len(restored),
+        "td/stale_dropped": stale,
+        "is/weight_mean": float(np.mean(weighted)) if weighted and args.prefix_is else None,
+        "is/clip_rate": float(np.mean(clipped[: len(restored)]))
+        if restored and args.prefix_is else None,
+    }
+    return Batch(datums, supervised + replayed, metrics, states)
+
+
+# --------------------------------------------------------------------- shared pieces
+Item = TypeVar("Item")
+
+
+def actor_update(
+    group: Sequence[Episode], end_values: Sequence[float], weight: float
+) -> tuple[list[Datum] | None, float]:
+    """One group's actor datums, A_n = (R_n - G) * w on every token branch n sampled (None
+    for a degenerate group), and G = mean R, the critic's target at the start state."""
+    returns = macro_returns([e.reward for e in group], end_values)
+    advantages = centred(returns)
+    if advantages is None:
+        return None, float(returns.mean())
+    datums = [build_datum(e.sequence, float(a * weight))
+              for e, a in zip(group, advantages, strict=True) if e.turns]
+    return datums, float(returns.mean())
+
+
+def replay(
+    pool: Sequence[tuple[Item, float]], count: int, targets: Sequence[float],
+    rng: np.random.Generator,
+) -> list[Item]:
+    """``count`` of the earlier warm-up critic replies in ``pool`` (``--critic-replay``;
+    each with its target), drawn so that with this update's own ``targets`` the update
+    fits targets distributed as all of the pool's.
+
+    Warm-up finds a few states per update and fits each once; a critic fitted on ~100
+    states once each settles on their mean, not on what tells them apart. A cross-entropy
+    datum needs no fresh logprobs, so an old state trains again for a forward-backward.
+    The draw is stratified by target because one update's few states are mostly one
+    outcome or the other, and fitting them swings the critic's overall level (on Search-v0
+    it answered 0, then 1, then 0.5 everywhere): the level moved more between updates than
+    the value between the states of one. Each target value gets its share of the update's
+    datums (less what the update holds already); leftover places are drawn at random."""
+    count = min(count, len(pool))
+    if not count:  # no draw: a run without replay keeps its random stream
+        return []
+    by_target: dict[float, list[int]] = {}
+    for index, (_, target) in enumerate(pool):
+        by_target.setdefault(target, []).append(index)
+    total = count + len(targets)
+    chosen: list[int] = []
+    for target, indices in sorted(by_target.items()):
+        share = round(total * len(indices) / len(pool)) - sum(t == target for t in targets)
+        take = min(max(share, 0), len(indices), count - len(chosen))
+        chosen += [int(i) for i in rng.choice(indices, take, replace=False)]
+    rest = np.setdiff1d(np.arange(len(pool)), chosen)
+    chosen += [int(i) for i in rng.choice(rest, count - len(chosen), replace=False)]
+    return [pool[i][0] for i in sorted(chosen)]
+
+
+def best_constant_error(per_state: Sequence[Sequence[float | int | None]]) -> float | None:
+    """The mean absolute error of the best constant in hindsight on the parsed critic samples
+    of some states (``[target, parsed samples, mean value]`` each, as ``critic_update``
+    reports them): every parsed sample is scored against its state's target, and the
+    constant is the median of those targets, which minimises the mean absolute error (the
+    mean does not: on targets 0, 0, 1 it scores 0.44, the median 0.33). None: nothing
+    parsed."""
+    scored = [float(target) for target, parsed, _ in per_state for _ in range(int(parsed))]
+    if not scored:
+        return None
+    return float(np.mean(np.abs(np.subtract(scored, np.median(scored)))))
+
+
+def critic_update(
+    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], r_max: float,
+    target_replies: Sequence[CriticSample] | None = None,
+    estimates: Sequence[float] | None = None,
+) -> tuple[list[Datum], Metrics]:
+    """Critic datums (rewards centred per start state) and the critic's accuracy metrics.
+
+    ``target_replies`` (one per state, ``Critic.target_reply``) join their state's group
+    for training only: the metrics are the sampled replies' alone.
+
+    ``estimates`` (one per state): the critic's value read otherwise than from these
+    samples (``--critic-readout median``). The accuracy metrics are then the estimates',
+    one value per state (``critic/parsed`` counts them); the samples still train (under the
+    reward rule) and give the parse rate.
+
+    ``critic/abs_error_constant`` is what the best constant in hindsight would have scored
+    on the same parsed samples (``best_constant_error``); a critic below it tells states
+    apart. It is fitted to this update alone; ``critic/per_state`` ([target, parsed
+    samples, their mean value] per state) lets a reader pool updates and fit one constant
+    to all of them, the best constant predictor of the whole run."""
+    datums: list[Datum] = []
+    errors: list[float] = []
+    means: list[float] = []
+    matched: list[float] = []
+    per_state: list[list[float | int | None]] = []
+    degenerate = 0
+    shown = target_replies if target_replies is not None else [None] * len(samples)
+    read = [[e] for e in estimates] if estimates is not None else [None] * len(samples)
+    for group, target, reply, estimate in zip(samples, targets, shown, read, strict=True):
+        parsed = estimate if estimate is not None else [s.value for s in group
+                                                         if s.value is not None]
+        errors += [abs(v - target) for v in parsed]
+        mean = float(np.mean(parsed)) if parsed else None
+        per_state.append([float(target), len(parsed), mean])
+        if mean is not None:
+            means.append(mean)
+            matched.append(target)
+        trained = [*group, reply] if reply is not None else list(group)
+        advantages = centred(critic_rewards([s.value for s in trained], target, r_max))
+        if advantages is None:
+            degenerate += 1
+            continue
+        datums += [build_datum(s.sequence, float(a))
+                   for s, a in zip(trained, advantages, strict=True)]
+    return datums, {
+        "critic/abs_error_mean": float(np.mean(errors)) if errors else None,
+        "critic/abs_error_constant": best_constant_error(per_state),
+        "critic/parsed": len(errors),
+        "critic/value_corr": value_corr(means, matched),
+        "critic/value_mean": float(np.mean(means)) if means else None,
+        "critic/target_mean": float(np.mean(targets)) if len(targets) else None,
+        "critic/states": len(samples),
+        "critic/degenerate_group_rate": degenerate / len(samples) if len(samples) else None,
+        "critic/datums": len(datums),
+        "critic/per_state": per_state,
+    }
+
+
+def critic_fit(
+    samples: Sequence[Sequence[CriticSample]], targets: Sequence[float], args: Args,
+    target_replies: Sequence[CriticSample] | None, estimates: Sequence[float] | None = None,
+) -> tuple[list[Datum], list[Datum], Metrics]:
+    """The critic's datums by ``--critic-loss``: (policy-loss datums, cross-entropy datums,
+    metrics). Either way the metrics are those of ``critic_update``: the sampled replies',
+    or the ``estimates`` where the value is read otherwise.
+
+    ``cross_entropy`` is regression onto G in the critic's own words: every state trains,
+    where the reward rule learns nothing from a state whose samples all agree with G and
+    little from one they nearly match."""
+    if args.critic_loss == "reward":
+        datums, metrics = critic_update(samples, targets, args.r_max, target_replies,
+                                        estimates)
+        return datums, [], metrics
+    if target_replies is None:
+        raise RunConfigError("--critic-loss cross_entropy needs the target replies")
+    _, metrics = critic_update(samples, targets, args.r_max, estimates=estimates)
+    supervised = [cross_entropy_datum(reply.sequence) for reply in target_replies]
+    return [], supervised, metrics | {"critic/datums": len(supervised),
+                                      "critic/degenerate_group_rate": None}
+
+
+def _replayed(
+    store: StateStore, args: Args, targets: Sequence[float], rng: np.random.Generator
+) -> list[Datum]:
+    """This update's ``--critic-replay`` datums, beside its own ``targets``."""
+    return [cross_entropy_datum(sequence)
+            for sequence in replay(store.critic_replay, args.critic_replay, targets, rng)]
+
+
+def _critic_prompt(tempo: Tempo, state: ResumePoint) -> list[int]:
+    return tempo.critic.prompt(state.messages, state.opening, state.privileged)
+
+
+async def _target_replies(
+    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]], targets: Sequence[float]
+) -> list[CriticSample] | None:
+    """Each trained state's target reply (``--critic-target-reply``), else None."""
+    if not tempo.args.critic_target_reply:
+        return None
+    return list(await asyncio.gather(*(
+        tempo.critic.target_reply(sampler, prompt, target)
+        for prompt, target in zip(prompts, targets, strict=True)
+    )))
+
+
+async def _estimates(
+    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]]
+) -> list[float] | None:
+    """Each state's value by the median readout (``--critic-readout median``), else None:
+    the sampled replies are then the critic's estimate."""
+    if tempo.critic.readout != "median":
+        return None
+    return list(await asyncio.gather(*(tempo.critic.median(sampler, p) for p in prompts)))
+
+
+def _opening_prompt(tempo: Tempo, episode: Episode) -> list[int]:
+    """The critic's prompt at a fresh episode's start: its opening, no history yet."""
+    opening = episode.opening_messages
+    return tempo.critic.prompt(episode.messages[:opening], opening, episode.privileged)
+
+
+def _failure_rate(samples: Sequence[CriticSample]) -> float | None:
+    return sum(s.value is None for s in samples) / len(samples) if samples else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    history = train(args)
+    last = history[-1] if history else {}
+    print(final_line(history, Path(args.out), critic_abs_error=last.get("critic/abs_error_mean"),
+                     store=last.get("td/store_size")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
