@@ -35,6 +35,40 @@ MOVED: dict[str, str] = {
 }
 
 
+# Names of the flat ``agent_gym/eval.py`` and ``agent_gym/cli.py``, whose paths are packages
+# now: ``from agent_gym.eval import evaluate`` still works (``moved_attribute``). Not
+# ``agent_gym.cli.main``: that is the command's module now (the script is
+# ``agent_gym.cli.main:main``).
+_EVAL_NAMES = {
+    "agent_gym.eval.config": ("EvalConfig", "Key", "IDENTITY", "episode_seed"),
+    "agent_gym.eval.stats": ("wilson_interval", "pass_at_k", "bootstrap_interval",
+                             "rate_interval", "percentile"),
+    "agent_gym.eval.runlog": ("RunLog", "RunMismatchError", "record_key", "EPISODES_FILE",
+                              "ERRORS_FILE"),
+    "agent_gym.eval.summary": ("ReplyCounts", "Summary", "summarize", "format_table",
+                               "overall_summary", "read_summary"),
+    "agent_gym.eval.run": ("action_protocol", "play_episode", "evaluate"),
+}
+MOVED_NAMES: dict[str, dict[str, str]] = {
+    "agent_gym.eval": {name: module for module, names in _EVAL_NAMES.items() for name in names},
+    "agent_gym.cli": {
+        **dict.fromkeys(("build_parser", "UserError"), "agent_gym.cli.main"),
+        **dict.fromkeys(("OneLineParser", "DefaultsHelpFormatter", "add_env_arg"),
+                        "agent_gym.cli.parsing"),
+    },
+}
+
+
+def moved_attribute(package: str, name: str) -> object:
+    """A name the flat module ``package`` had, from the module that holds it now."""
+    module = MOVED_NAMES.get(package, {}).get(name)
+    if module is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    warnings.warn(f"{package}.{name} moved to {module}.{name}; the old path goes in the next "
+                  "release", DeprecationWarning, stacklevel=3)
+    return getattr(importlib.import_module(module), name)
+
+
 class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname: str, path: object, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:

@@ -75,7 +75,7 @@ def _user_errors(main: Callable[[list[str]], int], argv: list[str]) -> int:
     try:
         from agent_gym_train.backends.pytrio import BackendError
         from agent_gym_train.models import ModelSpecError
-        from agent_gym_train.run import RunConfigError
+        from agent_gym_train.runfiles import RunConfigError
         from agent_gym_train.store import StoreError
 
         try:

@@ -49,8 +49,9 @@ import numpy as np
 from pytrio import ModelInput, SamplingParams
 
 from agent_gym.render import ChatRenderer
+from agent_gym.seeding import derive_seed
+from agent_gym_train.clients import Sampler
 from agent_gym_train.episode import TokenSequence
-from agent_gym_train.run import Sampler, derive_seed
 
 SYSTEM_PROMPT = (
     "You are the critic of an agent that works on a task over several turns. You see the "

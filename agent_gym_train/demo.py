@@ -32,12 +32,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent_gym.cli.main import OneLineParser
-from agent_gym.eval.run import EvalConfig, Summary, evaluate
+from agent_gym.cli.parsing import OneLineParser
+from agent_gym.eval.config import EvalConfig
+from agent_gym.eval.run import evaluate
+from agent_gym.eval.summary import Summary
 from agent_gym_train import sft
+from agent_gym_train.args import with_preset
+from agent_gym_train.envpool import check_env
 from agent_gym_train.plot import plot
 from agent_gym_train.policies import sampler_policy
-from agent_gym_train.run import CHECKPOINT_FILE, Checkpoint, check_env, with_preset
+from agent_gym_train.runfiles import CHECKPOINT_FILE, Checkpoint
+
+# --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
+DESCRIPTION = ("``agent-gym train demo``: watch the embedded model learn a bundled task "
+               "(what `make run` does).")
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN, TEST = {"split": "train"}, {"split": "test"}
@@ -70,7 +78,7 @@ def table(rows: Sequence[tuple[str, Summary, float | None]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="agent-gym train demo", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="agent-gym train demo", description=DESCRIPTION)
     parser.add_argument("--out", default="runs/demo",
                         help="run directory; rerunning into it continues (default runs/demo)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or mps")

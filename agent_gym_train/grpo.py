@@ -45,19 +45,17 @@ from typing import ClassVar
 import numpy as np
 from pytrio import Datum
 
+from agent_gym_train.args import OUT_HELP, RunArgs
+from agent_gym_train.args import parse_args as parse_run_args
+from agent_gym_train.clients import ServiceClient
 from agent_gym_train.episode import Episode, build_datum
+from agent_gym_train.options import option
 from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
-from agent_gym_train.run import (
-    OUT_HELP,
-    Metrics,
-    RunArgs,
-    ServiceClient,
-    device_defaults,
-    final_line,
-    open_run,
-    option,
-)
-from agent_gym_train.run import parse_args as parse_run_args
+from agent_gym_train.run import device_defaults, final_line, open_run
+from agent_gym_train.runfiles import Metrics
+
+# --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
+DESCRIPTION = "GRPO on agent_gym environments, in one file you can read top to bottom."
 
 
 @dataclass
@@ -95,7 +93,7 @@ class Args(RunArgs):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
-    return parse_run_args(Args, argv, "agent-gym train grpo", __doc__.split("\n\n")[0])
+    return parse_run_args(Args, argv, "agent-gym train grpo", DESCRIPTION)
 
 
 def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:

@@ -41,7 +41,8 @@ import torch
 from pytrio import Datum
 from pytrio.types import APIFuture, ForwardBackwardOutput
 
-IGNORE_TARGET = -100
+from agent_gym_train.episode import IGNORE_TARGET
+
 TOKEN_MEAN, SEQUENCE_MEAN = "token-mean", "sequence-mean"
 AGGREGATIONS = (TOKEN_MEAN, SEQUENCE_MEAN)
 BUILT_IN = ("importance_sampling", "ppo", "cispo")  # pytrio computes these (token mean)

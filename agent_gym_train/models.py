@@ -18,7 +18,6 @@ Three kinds of model spec are accepted wherever a ``base_model`` is asked for:
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -54,9 +53,11 @@ class ModelSpecError(ValueError):
 
 
 def cache_dir() -> Path:
-    """The writable cache root: ``$AGENT_GYM_CACHE`` or ``~/.cache/agent_gym``."""
-    root = os.environ.get("AGENT_GYM_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "agent_gym"
+    """The writable cache root: ``$AGENT_GYM_CACHE`` or ``~/.cache/agent_gym``, as
+    ``agent_gym.search.cache_root`` decides it for every cache of agent_gym."""
+    from agent_gym.search import cache_root  # here: loading a model needs no search backend
+
+    return cache_root()
 
 
 def _gguf_dir() -> Path:

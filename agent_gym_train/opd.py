@@ -59,27 +59,20 @@ import numpy as np
 from pytrio import Datum, ModelInput, SamplingParams
 from pytrio.types import TensorData
 
+from agent_gym_train.args import OUT_HELP, RunArgs
+from agent_gym_train.args import parse_args as parse_run_args
 from agent_gym_train.backends import BACKENDS, make_service
+from agent_gym_train.clients import Sampler, ServiceClient
 from agent_gym_train.episode import Episode, TokenSequence, build_datum, cross_entropy_datum
+from agent_gym_train.options import option
 from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
-from agent_gym_train.run import (
-    OUT_HELP,
-    Metrics,
-    Run,
-    RunArgs,
-    RunConfigError,
-    Sampler,
-    ServiceClient,
-    device_defaults,
-    final_line,
-    open_run,
-    option,
-)
-from agent_gym_train.run import parse_args as parse_run_args
+from agent_gym_train.run import Run, device_defaults, final_line, open_run
+from agent_gym_train.runfiles import Metrics, RunConfigError, checkpoint_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+DESCRIPTION = "On-Policy Distillation (OPD) on agent_gym environments, in one file."
 SELF = "self"
 PRIVILEGED_HEADER = (
     "Privileged information about this task (use it to act well, never mention it):"
@@ -130,7 +123,7 @@ class Args(RunArgs):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
-    return parse_run_args(Args, argv, "agent-gym train opd", __doc__.split("\n\n")[0])
+    return parse_run_args(Args, argv, "agent-gym train opd", DESCRIPTION)
 
 
 # --------------------------------------------------------------------- the teacher
@@ -182,7 +175,11 @@ def open_teacher(args: Args, run: Run) -> Sampler:
     model, _, checkpoint = rest.partition("@")
     service = run.service if backend == args.backend else make_service(
         backend, api_key=args.api_key, device=args.device, threads=args.threads)
-    return service.create_sampling_client(model or "smollm2", checkpoint or None)
+    try:  # CHECKPOINT: what --init-from takes (a run directory, its checkpoint.json, a path)
+        path = checkpoint_path(checkpoint) if checkpoint else None
+    except RunConfigError as err:
+        raise RunConfigError(f"--teacher {args.teacher.removesuffix(checkpoint)}{err}") from err
+    return service.create_sampling_client(model or "smollm2", path)
 
 
 def teacher_openings(run: Run, args: Args, task: Mapping[str, Any]) -> tuple[list[int], list[int]]:

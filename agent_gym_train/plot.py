@@ -1,14 +1,14 @@
 """``agent-gym train plot RUN``: a panel for every numeric metric a training run logged.
 
-Works on any trainer's ``metrics.jsonl`` (one line per step, see ``agent_gym_train.run``): every
-key whose values are numbers gets a panel, in the order the run first logged it, except
-those that never changed over the run (a batch size, the epoch of a one-epoch run), which
-a flat line would only make look like curves: they are listed, with their value, above
-the panels. A metric logged at one step only is a marker, not a line. Steps are numbered
-from 1, as the progress bar and the trainer's last line count them (a row's ``step`` is
-0-based). Steps whose ``phase`` is ``warmup`` (TEMPO's critic-only updates) are shaded,
-and a metric with a baseline logged beside it (the critic's error next to the best
-constant's) draws the baseline dashed in its own panel.
+Works on any trainer's ``metrics.jsonl`` (one line per step, see
+``agent_gym_train.runfiles``): every key whose values are numbers gets a panel, in the order
+the run first logged it, except those that never changed over the run (a batch size, the
+epoch of a one-epoch run), which a flat line would only make look like curves: they are
+listed, with their value, above the panels. A metric logged at one step only is a marker,
+not a line. Steps are numbered from 1, as the progress bar and the trainer's last line count
+them (a row's ``step`` is 0-based). Steps whose ``phase`` is ``warmup`` (TEMPO's critic-only
+updates) are shaded, and a metric with a baseline logged beside it (the critic's error next
+to the best constant's) draws the baseline dashed in its own panel.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from agent_gym.cli.main import OneLineParser
-from agent_gym_train.run import METRICS_FILE, Metrics, read_metrics
+from agent_gym.cli.parsing import OneLineParser
+from agent_gym_train.runfiles import METRICS_FILE, Metrics, read_metrics
 
 PLOT_FILE = "metrics.png"
 COLUMNS = 5

@@ -12,11 +12,12 @@ from typing import Any
 
 from pytrio import ModelInput, SamplingParams
 
-from agent_gym.eval.policies import ContextLengthError, PolicyInput, Reply, derive_seed
+from agent_gym.eval.policies import ContextLengthError, PolicyInput, Reply
 from agent_gym.render import ChatRenderer, ContinuedPrompts
+from agent_gym.seeding import derive_seed
 from agent_gym_train.backends import make_service
 from agent_gym_train.backends.pytrio import BackendError
-from agent_gym_train.run import RunConfigError, checkpoint_path
+from agent_gym_train.runfiles import RunConfigError, checkpoint_path
 
 
 class SamplerPolicy:
@@ -92,7 +93,8 @@ def sampler_policy(
     """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``; ``device`` and
     ``threads`` place the local sampler (see ``agent_gym_train.backends.runtime``).
 
-    CHECKPOINT is what a trainer's ``--init-from`` takes (``agent_gym_train.run.checkpoint_path``):
+    CHECKPOINT is what a trainer's ``--init-from`` takes
+    (``agent_gym_train.runfiles.checkpoint_path``):
     a training run's directory or its ``checkpoint.json`` (the run's latest checkpoint), or
     a backend checkpoint path. A checkpoint or model that cannot be loaded, or a service
     that cannot be reached, is a ``ValueError`` (``RunConfigError``) naming ``spec``, which

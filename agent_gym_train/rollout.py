@@ -32,7 +32,7 @@ env's replay already checks every observation digest), and ``max_turns`` is the
 macro-step's horizon. With ``keep_states`` each episode records its final env state and,
 when it stopped at the horizon, the prompt to continue from.
 
-Pass a ``agent_gym_train.run.EnvPool`` as ``make_env`` to reuse envs across groups and steps.
+Pass a ``agent_gym_train.envpool.EnvPool`` as ``make_env`` to reuse envs across groups and steps.
 """
 
 from __future__ import annotations
@@ -49,8 +49,12 @@ from pytrio import ModelInput, SamplingParams
 from pytrio.types import SampleSequence
 
 from agent_gym.render import ChatRenderer, Conversation
+from agent_gym.seeding import derive_seed
+from agent_gym_train.clients import Sampler
+from agent_gym_train.envpool import EnvFactory
 from agent_gym_train.episode import Episode, ResumePoint, TokenSequence
-from agent_gym_train.run import EnvFactory, Metrics, Run, Sampler, derive_seed
+from agent_gym_train.run import Run
+from agent_gym_train.runfiles import Metrics
 
 Start = Mapping[str, Any] | ResumePoint | None  # a group's reset options, or where to resume
 

@@ -44,22 +44,20 @@ import numpy as np
 from pytrio import Datum
 
 from agent_gym.render import ChatRenderer, Conversation
+from agent_gym_train.args import OUT_HELP, RunArgs
+from agent_gym_train.args import parse_args as parse_run_args
+from agent_gym_train.clients import ServiceClient, TrainingClient
+from agent_gym_train.envpool import EnvFactory, env_factory
 from agent_gym_train.episode import DatumError, TokenSequence, cross_entropy_datum
 from agent_gym_train.losses import TOKEN_MEAN
-from agent_gym_train.run import (
-    OUT_HELP,
-    EnvFactory,
-    Metrics,
-    RunArgs,
-    RunConfigError,
-    ServiceClient,
-    TrainingClient,
-    env_factory,
-    final_line,
-    open_run,
-    option,
+from agent_gym_train.options import option
+from agent_gym_train.run import final_line, open_run
+from agent_gym_train.runfiles import Metrics, RunConfigError
+
+# --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
+DESCRIPTION = (
+    'Supervised fine-tuning on demonstrations played through an agent_gym env, in one file.'
 )
-from agent_gym_train.run import parse_args as parse_run_args
 
 ORACLE = "oracle"
 CROSS_ENTROPY = "cross_entropy"
@@ -111,7 +109,7 @@ class Args(RunArgs):
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Args:
-    return parse_run_args(Args, argv, "agent-gym train sft", __doc__.split("\n\n")[0])
+    return parse_run_args(Args, argv, "agent-gym train sft", DESCRIPTION)
 
 
 # --------------------------------------------------------------------- demonstrations

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ import gymnasium
 import textworld
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 from gymnasium.vector import AutoresetMode
+from harness import RESULTS, Result
 
 import agent_gym  # noqa: F401  (registers the envs)
 from agent_gym.alfworld.engine import Engine
@@ -173,22 +173,23 @@ def oracle_episodes_async_vector(episodes: int, num_envs: int = 2) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/alfworld.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "alfworld.json")
     parser.add_argument("--child-restore", nargs=2, metavar=("STATE_FILE", "STORE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_restore:
         restore_in_child(*args.child_restore)
         return
+    result = Result()
     scratch = tempfile.TemporaryDirectory()
     # The default host store, in a cache directory of this run's own (children inherit it)
     os.environ["AGENT_GYM_CACHE"] = scratch.name
     os.environ.pop(STORE_PATH_ENV, None)
-    results: dict[str, Any] = {
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_average_at_start": round(os.getloadavg()[0], 2), "uptime_at_start": uptime(),
+    results: dict[str, Any] = result.figures
+    results.update({
+        "uptime_at_start": uptime(),
         "host_store": "the default file (no restore_store) in a scratch $AGENT_GYM_CACHE",
-    }
+    })
     refs = find_games(bundled_root() / "train", ("pick_heat_then_place_in_recep",))
     kitchen, other = sorted(refs, key=lambda r: r.path.stat().st_size)[-1:-3:-1]
     env: ALFWorldEnv = gymnasium.make(ENV, split="train", task_types=[4],
@@ -239,10 +240,11 @@ def main() -> None:
         fast = [timed(lambda s=state: env.reset(options={"state": s})) for _ in range(5)]
         warm, instance, child_store, child_replay = [], [], [], []
         for _ in range(2):
-            env._prefix_cache.clear()  # drop the snapshots and the store: replay every action
-            env._store, kept = None, env._store
+            env.prefixes.clear()  # drop the snapshots and the store: replay every action
+            kept = env.prefixes.store
+            env.use_prefix_store(None)
             warm.append(timed(lambda s=state: env.reset(options={"state": s})))
-            env._store = kept
+            env.use_prefix_store(kept)
             assert env.render().endswith(expected)
             fresh = gymnasium.make(ENV, split="train", task_types=[4],
                                    render_mode="ansi").unwrapped
@@ -288,11 +290,9 @@ def main() -> None:
     engine.close()
     results["generate"] = {"s_per_game_mean": round(statistics.fmean(seconds), 2),
                            "s_per_game_max": round(max(seconds), 2)}
-    results["load_average_at_end"] = round(os.getloadavg()[0], 2)
     results["uptime_at_end"] = uptime()
     scratch.cleanup()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    result.write(args.out)
     _print_table(results)
 
 

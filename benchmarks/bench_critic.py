@@ -46,7 +46,6 @@ import json
 import os
 import random
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,15 +56,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from harness import RESULTS, Result  # noqa: E402
+
+from agent_gym_train.clients import Sampler  # noqa: E402
 from agent_gym_train.critic import Critic, CriticSample  # noqa: E402
 from agent_gym_train.episode import cross_entropy_datum  # noqa: E402
 from agent_gym_train.rollout import RolloutConfig, rollout_groups  # noqa: E402
-from agent_gym_train.run import Run, Sampler, device_defaults, open_run  # noqa: E402
+from agent_gym_train.run import Run, device_defaults, open_run  # noqa: E402
 from agent_gym_train.store import cut  # noqa: E402
-from agent_gym_train.tempo import Args, critic_update, monte_carlo_targets  # noqa: E402
+from agent_gym_train.tempo import Args, monte_carlo_targets  # noqa: E402
+from agent_gym_train.tempo_critic import critic_update  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
-RESULTS = ROOT / "benchmarks" / "results" / "critic.json"
 TASKS_PER_ROLLOUT = 8
 HOT_SAMPLES = 4
 
@@ -236,9 +238,9 @@ def main() -> None:
     parser.add_argument("--states", default=None,
                         help="where the collected states are cached (default: in --work); "
                         "a cache made with the same checkpoint and budgets is reused")
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS / "critic.json"))
     options = parser.parse_args()
-    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    record = Result()
     args = device_defaults(Args(
         env_id=ENV_ID, env_kwargs={"split": "train", "max_turns": options.max_turns},
         init_from=options.checkpoint, learning_rate=options.learning_rate,
@@ -288,8 +290,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_state"}), flush=True)
     all_states = pools[0] + pools[1]
     targets = np.array([s["target"] for s in all_states])
-    result = {
-        "command": " ".join(["python", *sys.argv]),
+    record.figures.update({
         # the results file's own path as the repository names it, not this machine's
         "settings": vars(options) | {"out": os.path.relpath(options.out, ROOT)},
         "states": {"train_pool": len(pools[0]), "test_pool": len(pools[1]),
@@ -306,11 +307,9 @@ def main() -> None:
         "best_constant": constant,
         "by_epoch": rows,
         "cue_bound": cue_bound(train, test),
-        "seconds": round(time.perf_counter() - started, 1),
-        "load_1min": {"start": load_start, "end": os.getloadavg()[0]},
-    }
-    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({"cue_bound": result["cue_bound"], "seconds": result["seconds"]}))
+    })
+    record.write(options.out)
+    print(json.dumps({"cue_bound": record.figures["cue_bound"], "seconds": record.seconds}))
 
 
 if __name__ == "__main__":

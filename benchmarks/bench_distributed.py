@@ -21,10 +21,12 @@ from typing import Any
 
 import gymnasium
 import ray
+from harness import RESULTS, Result
 
 import agent_gym  # noqa: F401
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import OraclePolicy
-from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.eval.run import evaluate
 from agent_gym.serve.distributed import RayVectorEnv, remote_env_factory
 
 
@@ -81,6 +83,7 @@ def main() -> None:
                         else "agent_gym/GSM8K-v0")
     parser.add_argument("--episodes", type=int, default=12)
     args = parser.parse_args()
+    result = Result()
     base = single_process(args.env, args.episodes)
     asynchronous = vectorised(
         gymnasium.make_vec(args.env, num_envs=2, vectorization_mode="async"), args.episodes
@@ -108,9 +111,8 @@ def main() -> None:
         },
     }
     name = args.env.removeprefix("agent_gym/").lower()
-    (Path(__file__).parent / "results" / f"distributed-{name}.json").write_text(
-        json.dumps(report, indent=2) + "\n"
-    )
+    result.figures.update(report)
+    result.write(RESULTS / f"distributed-{name}.json")
     print(json.dumps(report, indent=2))
 
 

@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
-import os
 import sys
 import tempfile
 import time
@@ -42,8 +41,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import RESULTS, Result
+
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import OpenAIChatPolicy
-from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.eval.run import evaluate
 from tests.helpers.openai_server import Behaviour, ChatServer
 
 ENVS = ("agent_gym/GSM8K-v0", "agent_gym/Search-v0")
@@ -125,18 +127,18 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=3, help="runs per level; the median")
     args = parser.parse_args()
+    harness = Result()
     context = multiprocessing.get_context("spawn")
     urls, stop = context.Queue(), context.Event()
     server = context.Process(target=serve, args=(args.delay, urls, stop), daemon=True)
     server.start()
-    load_before = os.getloadavg()
     top = max(LEVELS)
     try:
         url = urls.get(timeout=60)
         rounds = 4
         alone, burst = asyncio.run(check_server(url, top, rounds))
-        report: dict[str, Any] = {
-            "command": " ".join(["benchmarks/bench_eval.py", *sys.argv[1:]]),
+        report: dict[str, Any] = harness.figures
+        report.update({
             "server_delay_s": args.delay,
             "server_check": {
                 "one_request_s": round(alone, 4),
@@ -145,7 +147,7 @@ def main() -> None:
                 "requests_per_s": round(top * rounds / burst, 1),
             },
             "envs": {},
-        }
+        })
         for env_id in ENVS:
             run_eval(env_id, url, 2 * top, top)  # warm-up, not reported
             runs: dict[int, list[dict[str, float]]] = {c: [] for c in LEVELS}
@@ -181,15 +183,12 @@ def main() -> None:
                 levels[top]["episodes_per_s"] * base["turns"] / bare_rps, 2
             )
             report["envs"][env_id] = result
-        report["load_average"] = {"before": [round(x, 2) for x in load_before],
-                                  "after": [round(x, 2) for x in os.getloadavg()]}
     finally:
         stop.set()
         server.join(timeout=10)
         if server.is_alive():
             server.kill()
-    out_path = Path(__file__).parent / "results" / "eval.json"
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write(RESULTS / "eval.json")
     print(json.dumps(report, indent=2))
 
 

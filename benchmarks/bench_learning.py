@@ -69,15 +69,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_gym.eval.run import bootstrap_interval, wilson_interval  # noqa: E402
+from harness import RESULTS, Result, figures_in  # noqa: E402
+
+from agent_gym.eval.stats import bootstrap_interval, wilson_interval  # noqa: E402
 from agent_gym_train import grpo, sft  # noqa: E402
 from agent_gym_train.critic import READOUTS  # noqa: E402
 from agent_gym_train.opd import Args as OpdArgs  # noqa: E402
 from agent_gym_train.opd import train as opd_train  # noqa: E402
-from agent_gym_train.run import read_metrics  # noqa: E402
-from agent_gym_train.tempo import CRITIC_LOSSES, best_constant_error, value_corr  # noqa: E402
+from agent_gym_train.runfiles import read_metrics  # noqa: E402
+from agent_gym_train.tempo import CRITIC_LOSSES  # noqa: E402
 from agent_gym_train.tempo import Args as TempoArgs  # noqa: E402
 from agent_gym_train.tempo import train as tempo_train  # noqa: E402
+from agent_gym_train.tempo_critic import best_constant_error, value_corr  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN, TEST = {"split": "train"}, {"split": "test"}
@@ -529,10 +532,11 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply")
     parser.add_argument("--max-turns", type=int, default=4, help="per episode")
     parser.add_argument("--work", default="runs/bench-learning")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/learning.json"))
+    parser.add_argument("--out", default=str(RESULTS / "learning.json"))
     add_opd_options(parser)
     add_tempo_options(parser)
     options = parser.parse_args()
+    record = Result()
     import torch
 
     torch.set_num_threads(1)
@@ -546,13 +550,14 @@ def main() -> int:
                     "load_average_start": [round(x, 2) for x in uptime_start],
                     "load_average_end": [round(x, 2) for x in os.getloadavg()]}
         # Read just before writing: the other sections' figures stay as they were measured.
-        results = json.loads(out.read_text()) if out.is_file() else {}
+        # Each section keeps its own command, seconds and load (sections come from different
+        # runs); the file's command, commit, load and seconds are the last run's.
+        record.figures = results = figures_in(out)
         results |= {"env_id": ENV_ID, "torch_threads": 1, name: section, "split": {
             "train_tasks": 56, "heldout_tasks": 18,
             "rule": "Search-v0 split=train / split=test: the split field of search_qa.jsonl "
                     "(question i held out when i % 4 == 3)"}}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
+        record.write(out)
         print(name, json.dumps(section.get("eval")))
     _plot(work, out.with_suffix(".png"))
     return 0

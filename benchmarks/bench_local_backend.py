@@ -43,7 +43,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import RESULTS, Result, figures_in
 from pytrio import Datum, ModelInput, SamplingParams
 from pytrio.client.training_batch import plan_training_batch
 from pytrio.types import SampleResponse, SampleSequence
@@ -71,10 +71,9 @@ from agent_gym_train.backends.losses import check_loss, token_losses
 from agent_gym_train.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
 from agent_gym_train.backends.sampler import LocalSamplingClient
 from agent_gym_train.critic import VALUE_GRID, Critic
+from agent_gym_train.envpool import EnvPool, env_factory
 from agent_gym_train.rollout import RolloutConfig, rollout_groups
-from agent_gym_train.run import EnvPool, env_factory
 
-ROOT = Path(__file__).resolve().parents[1]
 ENVS = {
     "ALFWorld-v0": ("agent_gym/ALFWorld-v0", {"protocol": "text"}),
     "Search-v0": ("agent_gym/Search-v0", {}),
@@ -580,7 +579,7 @@ def bench_grpo() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/local_backend.json"))
+    parser.add_argument("--out", default=str(RESULTS / "local_backend.json"))
     parser.add_argument("--sections",
                         default="rollouts,prefill,scoring,tempo,learner,grpo")
     parser.add_argument("--max-tokens", type=int, default=48, help="per reply in rollouts")
@@ -592,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.learner_variant:
         print(json.dumps(learner_variant(args.learner_variant, args.learner_datums)))
         return 0
+    record = Result()
     sections: dict[str, Callable[[], dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1)
@@ -604,9 +604,12 @@ def main(argv: list[str] | None = None) -> int:
             "grpo": bench_grpo,
         }
         out_path = Path(args.out)
-        result: dict[str, Any] = (json.loads(out_path.read_text()) if out_path.is_file() else {})
-        result |= {"python": platform.python_version(), "torch": torch.__version__,
-                   "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        # the sections not run this time keep their figures; python and cpus are the
+        # harness's (under "machine") now
+        record.figures = {key: value for key, value in figures_in(out_path).items()
+                          if key not in ("python", "cpus")}
+        result = record.figures
+        result |= {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                    "model": "SmolLM2-135M-Instruct (float32, LoRA r32 for the learner)"}
         for name in args.sections.split(","):
             uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -615,8 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             figures |= {"uptime_at_start": uptime,
                         "section_seconds": round(time.perf_counter() - start, 1)}
             result[name] = figures
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(result, indent=1) + "\n")  # after every section
+            record.write(out_path)  # after every section
             print(json.dumps({name: figures}, indent=1))
     return 0
 

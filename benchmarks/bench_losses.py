@@ -24,21 +24,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+from harness import RESULTS, Result
 from pytrio import Datum, ModelInput
 
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
 from agent_gym_train.losses import Objective, policy_loss
-
-ROOT = Path(__file__).resolve().parents[1]
 
 PPO = Objective("ppo")
 
@@ -107,12 +104,13 @@ def run_variant(client: LocalTrainingClient, variant: str, datums: list[Datum]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/losses.json"))
+    parser.add_argument("--out", default=str(RESULTS / "losses.json"))
     parser.add_argument("--datums", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--noise", type=float, default=0.3)
     args = parser.parse_args(argv)
+    record = Result()
     with tempfile.TemporaryDirectory() as tmp:
         service = LocalServiceClient(checkpoint_dir=tmp, device="cpu", threads=1)
         client = service.create_lora_training_client("smollm2", rank=32, seed=0)
@@ -127,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     best = {name: min(r["seconds"] for r in rows) for name, rows in runs.items()}
     best_cpu = {name: min(r["cpu_seconds"] for r in rows) for name, rows in runs.items()}
     difference = (grads["ppo_custom"] - grads["ppo"]).abs().max() / grads["ppo"].abs().max()
-    result = {
+    result = record.figures
+    result |= {
         "model": "smollm2", "lora_rank": 32, "threads": 1, "datums": args.datums,
         "tokens_per_datum": args.tokens, "masked_fraction": 0.4, "repeats": args.repeats,
         "noise": args.noise,
-        "machine": platform.machine(), "cpus": os.cpu_count(),
         "runs": runs,
         "seconds_vs_builtin_ppo": {n: round(best[n] / best["ppo"], 2) for n in best},
         "cpu_seconds_vs_builtin_ppo": {n: round(best_cpu[n] / best_cpu["ppo"], 2)
@@ -140,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "ppo_custom_loss_mean_diff": abs(runs["ppo_custom"][0]["loss_mean"]
                                          - runs["ppo"][0]["loss_mean"]),
     }
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    record.write(args.out)
     print(json.dumps({k: result[k] for k in ("seconds_vs_builtin_ppo",
                                              "cpu_seconds_vs_builtin_ppo",
                                              "ppo_custom_grad_max_rel_diff")}))

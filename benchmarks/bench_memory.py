@@ -33,8 +33,9 @@ import time
 import warnings
 from pathlib import Path
 
+from harness import RESULTS, Result
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "memory.json"
 VARIANTS = ("trimmed", "baseline")
 
 
@@ -89,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--init-from", required=True, help="an SFT run or checkpoint")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--out", default=str(RESULTS / "memory.json"))
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--record", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -97,7 +98,7 @@ def main() -> None:
     if options.child:
         child(options.child, options.init_from, options.steps, options.run_dir, options.record)
         return
-    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    record = Result()
     env = {**os.environ, "AGENT_GYM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as work:
         records = {v: Path(work) / f"{v}.json" for v in VARIANTS}
@@ -111,8 +112,7 @@ def main() -> None:
                 raise SystemExit(f"a child run failed (exit {process.returncode})")
         steps = {v: json.loads(records[v].read_text()) for v in VARIANTS}
     last = {v: steps[v][-1] for v in VARIANTS}
-    result = {
-        "command": " ".join(["python", *sys.argv]),
+    record.figures.update({
         "steps": options.steps,
         "resident_mb_last_step": {v: last[v]["resident_mb"] for v in VARIANTS},
         "resident_mb_peak": {v: max(r["resident_mb"] for r in steps[v]) for v in VARIANTS},
@@ -122,11 +122,9 @@ def main() -> None:
         "seconds_per_step": {v: round((steps[v][-1]["time"] - steps[v][0]["time"])
                                       / max(1, len(steps[v]) - 1), 1) for v in VARIANTS},
         "per_step": steps,
-        "seconds": round(time.perf_counter() - started, 1),
-        "load_1min": {"start": load_start, "end": os.getloadavg()[0]},
-    }
-    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "per_step"}, indent=1))
+    })
+    record.write(options.out)
+    print(json.dumps({k: v for k, v in record.record().items() if k != "per_step"}, indent=1))
 
 
 if __name__ == "__main__":

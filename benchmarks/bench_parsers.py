@@ -24,9 +24,6 @@ over ``--budget`` seconds at this one; a skipped case fails the check.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -34,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
+from harness import RESULTS, Result
 
 import agent_gym  # noqa: F401  (registers the envs)
 
@@ -151,14 +149,14 @@ def _row(case: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/parsers.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "parsers.json")
     parser.add_argument("--budget", type=float, default=30.0,
                         help="seconds a single step may be expected to take")
     parser.add_argument("--env", action="append", help="only these env labels")
     args = parser.parse_args()
-    results: dict[str, Any] = {
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_average_at_start": round(os.getloadavg()[0], 2),
+    record = Result()
+    results: dict[str, Any] = record.figures
+    results |= {
         "sizes_chars": list(SIZES), "plain_action": PLAIN,
         "check": f"ratio(degenerate / plain step CPU time) at {SIZES[-1]} chars within "
                  f"{GROWTH_LIMIT:g}x of the ratio at {SIZES[0]} chars",
@@ -171,9 +169,7 @@ def main() -> None:
             cases.extend(bench_env(label, env_id, kwargs, tool, args.budget))
     results["cases"] = cases
     results["failures"] = [f"{c['env']}: {c['shape']}" for c in cases if not c["within_limit"]]
-    results["load_average_at_end"] = round(os.getloadavg()[0], 2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    record.write(args.out)
     print(f"{len(cases) - len(results['failures'])}/{len(cases)} cases within "
           f"{GROWTH_LIMIT:g}x; results in {args.out}")
 

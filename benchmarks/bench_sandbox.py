@@ -33,23 +33,21 @@ The load average is recorded because the host is shared. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from harness import RESULTS, Result
 
 from agent_gym.sandbox import Limits, StatefulSandbox, open_sandbox
 
 CODE = "print(1 + 1)"
 MATH_CODE = "import sympy\nprint(sympy.factorint(2**32 + 1))"
 EXPECTED = {CODE: "2\n", MATH_CODE: "{641: 1, 6700417: 1}\n"}
-RESULTS = Path(__file__).parent / "results" / "sandbox.json"
 Call = Callable[[], None]
 
 
@@ -151,8 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
     args = parser.parse_args()
+    record = Result()
     paced, seconds = (5, 0.5) if args.quick else (25, 2.0)
-    load_at_start = os.getloadavg()[0]
     limits = Limits(timeout=10.0)
     forked = open_sandbox("stateless", limits=limits, forkserver=True)
     stateless = open_sandbox("stateless", limits=limits, forkserver=False)
@@ -192,16 +190,11 @@ def main() -> None:
         for notebook in notebooks:
             assert isinstance(notebook, StatefulSandbox)
             notebook.close()
-    report = {
+    report = record.figures
+    report |= {
         "benchmark": "sandbox",
         "workload": CODE,
         "isolation": stateless.isolation,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_avg_1m_at_start": round(load_at_start, 2),
-            "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-        },
         "method": "latency: clients pause 50 ms between calls; throughput: back to back for "
         f"{seconds} s; ratios against the plain subprocess at the same concurrency",
         "results": rows,
@@ -210,12 +203,11 @@ def main() -> None:
         "math_results": math_rows,
     }
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+        record.write(RESULTS / "sandbox.json")
     header = (
         f"{'mode':<11}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'calls/s':>9}{'p50 x':>8}{'tput x':>8}"
     )
-    print(f"load average {load_at_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+    print(f"load average {record.load_at_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
     for title, table in ((CODE, rows), (MATH_CODE.replace("\n", "; "), math_rows)):
         print(title)
         print(header)

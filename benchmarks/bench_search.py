@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from harness import RESULTS, Result
 
 from agent_gym.search import BM25Index, CachedBackend, ResponseCache, RetrievalClient
 from agent_gym.search.bm25 import tokenize
@@ -122,13 +121,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--passages", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=200)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/search.json"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "search.json")
     args = parser.parse_args()
-    results: dict[str, object] = {
-        "passages": args.passages, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "bm25s_backend": "numpy",
-        "load_average_at_start": round(os.getloadavg()[0], 2),
-    }
+    record = Result()
+    results: dict[str, object] = record.figures
+    results |= {"passages": args.passages, "bm25s_backend": "numpy"}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         corpus = root / "corpus.jsonl"
@@ -179,9 +176,7 @@ def main() -> None:
             statistics.median(hits) / statistics.median(local), 4)}
         index.close()
 
-    results["load_average_at_end"] = round(os.getloadavg()[0], 2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    record.write(args.out)
     _print_table(results)
 
 

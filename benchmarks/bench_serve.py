@@ -34,8 +34,10 @@ import gymnasium
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from harness import RESULTS, Result
+
 import agent_gym  # noqa: F401  (registers the envs)
-from agent_gym.serve.app import DEFAULT_MAX_SESSIONS
+from agent_gym.serve.sessions import DEFAULT_MAX_SESSIONS
 from tests.helpers.serve_process import frame, running_server
 
 SESSIONS = (1, 16, 64)
@@ -157,8 +159,9 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=400,
                         help="steps/s all sessions offer together in the paced runs")
     args = parser.parse_args()
-    report: dict[str, Any] = {"load_before": os.getloadavg(), "steps": args.steps,
-                              "cpus": os.cpu_count(), "envs": {}}
+    record = Result()
+    report: dict[str, Any] = record.figures
+    report |= {"steps": args.steps, "envs": {}}
     for env_id, kwargs in ENVS.items():
         env_args = [part for key, value in kwargs.items()
                     for part in ("--env-arg", f"{key}={json.dumps(value)}")]
@@ -191,9 +194,7 @@ def main() -> None:
     with running_server("agent_gym/GSM8K-v0") as url:
         report["sessions_held_before_refusing"] = asyncio.run(capacity(url))
         report["default_max_sessions"] = DEFAULT_MAX_SESSIONS
-    report["load_after"] = os.getloadavg()
-    out_path = Path(__file__).parent / "results" / "serve.json"
-    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    record.write(RESULTS / "serve.json")
     print(json.dumps(report, indent=2))
 
 

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for the tests' toy model
+
+from harness import RESULTS, Result  # noqa: E402
 
 from agent_gym_train.plot import plot  # noqa: E402
 from agent_gym_train.tempo import Args, train  # noqa: E402
@@ -82,10 +81,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--td", type=int, default=16)
     parser.add_argument("--window", type=int, default=3, help="updates averaged at each end")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/tempo.json"))
+    parser.add_argument("--out", default=str(RESULTS / "tempo.json"))
     options = parser.parse_args()
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
+    record = Result()
     with tempfile.TemporaryDirectory() as scratch:
         model = save_value_model(Path(scratch) / "model")
         run_dir = Path(scratch) / "run"
@@ -100,17 +98,14 @@ def main() -> int:
         history = train(args)
         image = plot(run_dir, Path(options.out).with_suffix(".png"))
     rows = [{key: row.get(key) for key in KEPT} for row in history]
-    result = {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_at_start": round(load, 2),
+    result = record.figures
+    result |= {
         "setting": {k: v for k, v in vars(args).items() if k not in ("out", "model", "api_key")},
         "model": "tests/helpers/tempo_toy.py value-speaking tiny model",
-        "seconds": round(time.perf_counter() - start, 1),
         "summary": summarise(rows, options.window),
         "updates": rows,
     }
-    Path(options.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    record.write(options.out)
 
     print(f"{'update':>6} {'phase':>6} {'critic |V-G|':>12} {'constant':>9} {'parse fail':>10} "
           f"{'store':>5} {'IS w':>5}")

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
+from harness import RESULTS, Result
 from pytrio import Datum, ModelInput
 
 from agent_gym.render import ChatRenderer, Conversation
@@ -152,15 +149,13 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0, help="per datum figure")
-    parser.add_argument("--out", default="benchmarks/results/trainer.json")
+    parser.add_argument("--out", default=str(RESULTS / "trainer.json"))
     args = parser.parse_args()
-    result: dict[str, object] = {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_at_start": round(os.getloadavg()[0], 2),
+    record = Result()
+    result: dict[str, object] = record.figures
+    result |= {
         "render": bench_render(args.turns, args.repeats),
         "datums": bench_datums(args.seconds),
-        "load_average_at_end": round(os.getloadavg()[0], 2),
     }
     render = result["render"]
     print(f"{'turn':>5} {'prompt tokens':>14} {'incremental ms':>15} {'full re-render ms':>18}")
@@ -173,8 +168,7 @@ def main() -> int:
         print(f"datums {name}: {figures['build_datum']['datums_per_s']}/s "
               f"({figures['build_datum']['tokens_per_s']} tokens/s) vs naive "
               f"{figures['naive_loop']['datums_per_s']}/s -> {figures['ratio']}x")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    record.write(args.out)
     return 0
 
 

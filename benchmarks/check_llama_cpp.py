@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import sys
 import tempfile
 import time
@@ -44,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import RESULTS, Result
 
 from agent_gym.cli.main import main as agent_gym
 from agent_gym.eval.policies import OpenAIChatPolicy, PolicyError
@@ -139,8 +140,9 @@ def main() -> None:
     parser.add_argument("--out", help="run directories (default: a temporary directory)")
     parser.add_argument("--runs", help=f"comma-separated subset of: {', '.join(RUNS)}")
     parser.add_argument("--report", type=Path,
-                        default=Path(__file__).parent / "results" / "llama_cpp.json")
+                        default=RESULTS / "llama_cpp.json")
     args = parser.parse_args()
+    record = Result()
     chosen = args.runs.split(",") if args.runs else list(RUNS)
     if unknown := sorted(set(chosen) - set(RUNS)):
         parser.error(f"unknown runs: {', '.join(unknown)}")
@@ -148,7 +150,6 @@ def main() -> None:
     text = native + "#text"
     common = ["--episodes", str(args.episodes), "--max-tokens", str(args.max_tokens),
               "--timeout", str(args.timeout)]
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(args.out) if args.out else Path(scratch)
         runs: dict[str, dict[str, Any]] = {}
@@ -172,8 +173,8 @@ def main() -> None:
                 runs[name] = run(name, argv, out)
         for summary in sorted((out / "suite_default").glob("*/*/summary.json")):
             runs[f"suite_default/{summary.parent.parent.name}"] = figures(summary.parent, 0.0)
-    report = {
-        "command": " ".join(["benchmarks/check_llama_cpp.py", *sys.argv[1:]]),
+    report = record.figures
+    report |= {
         "runs": runs,
         "checks": verdicts(runs),
         "c4_over_c1": {
@@ -183,12 +184,11 @@ def main() -> None:
             if runs.get(f"{env}_c1", {}).get("episodes_per_s")
             and runs.get(f"{env}_c4", {}).get("episodes_per_s")
         },
-        "load_average": {"before": [round(x, 2) for x in load_before],
-                         "after": [round(x, 2) for x in os.getloadavg()]},
     }
-    args.report.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({key: report[key] for key in ("checks", "c4_over_c1", "load_average")},
-                     indent=2))
+    record.write(args.report)
+    print(json.dumps({key: value for key, value in record.record().items()
+                      if key in ("checks", "c4_over_c1", "load_average_at_start",
+                                 "load_average_at_end")}, indent=2))
 
 
 def verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, bool]:

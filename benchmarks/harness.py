@@ -21,6 +21,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# The keys ``Result.record`` puts around the figures
+RUN_KEYS = ("command", "commit", "machine", "load_average_at_start", "load_average_at_end",
+            "seconds")
 
 
 def _commit() -> str | None:
@@ -32,6 +35,19 @@ def _commit() -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
+def figures_in(path: str | Path) -> dict[str, Any]:
+    """The figures of a result file already written, without its run's keys (``RUN_KEYS``).
+
+    For a benchmark whose sections can be re-run one at a time into the same file: the
+    sections not re-run keep their figures, and this run's keys replace the old run's.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text(encoding="utf-8"))
+    return {key: value for key, value in record.items() if key not in RUN_KEYS}
+
+
 @dataclass
 class Result:
     """A run in progress: started now, its figures added as they are measured."""
@@ -39,6 +55,11 @@ class Result:
     figures: dict[str, Any] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     load_at_start: float = field(default_factory=lambda: round(os.getloadavg()[0], 2))
+
+    @property
+    def seconds(self) -> float:
+        """Wall-clock seconds since the run started, as the record gives them."""
+        return round(time.perf_counter() - self.started, 1)
 
     def record(self) -> dict[str, Any]:
         return {
@@ -48,11 +69,12 @@ class Result:
                         "platform": platform.platform()},
             "load_average_at_start": self.load_at_start,
             "load_average_at_end": round(os.getloadavg()[0], 2),
-            "seconds": round(time.perf_counter() - self.started, 1),
+            "seconds": self.seconds,
             **self.figures,
         }
 
     def write(self, out: str | Path) -> Path:
+        """Write the record so far; call again (after each section, say) to bring it up to date."""
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.record(), indent=2) + "\n", encoding="utf-8")

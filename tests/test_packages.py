@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import agent_gym
 from agent_gym.cli.main import BUILTIN_COMMANDS, build_parser
 
@@ -32,6 +34,42 @@ def test_no_agent_gym_module_imports_agent_gym_train() -> None:
         for path in PACKAGE.rglob("*.py")
     }
     assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_the_trainers_take_only_the_parsing_module_of_the_cli() -> None:
+    """The CLI is the top of agent_gym's stack; a trainer borrows only how it parses."""
+    trainers = PACKAGE.parent / "agent_gym_train"
+    offenders = {
+        str(path.relative_to(trainers)): sorted(
+            name for name in _imported_modules(path)
+            if name.startswith("agent_gym.cli") and name != "agent_gym.cli.parsing"
+        )
+        for path in trainers.rglob("*.py")
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_the_old_module_paths_import_for_one_release_with_a_warning() -> None:
+    import importlib
+
+    import agent_gym.env
+    import agent_gym.eval.policies
+    from agent_gym._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+    from agent_gym.core import TextEnv  # the alias is the module: one class, not a copy
+    assert TextEnv is agent_gym.env.TextEnv
+    assert agent_gym.eval.policies.make_policy is importlib.import_module(
+        "agent_gym.policies").make_policy
+    with pytest.warns(DeprecationWarning, match=r"agent_gym\.eval\.run\.evaluate"):
+        from agent_gym.eval import evaluate
+    assert evaluate is importlib.import_module("agent_gym.eval.run").evaluate
+    with pytest.raises(ImportError):
+        from agent_gym.eval import no_such_name  # noqa: F401
 
 
 def test_env_commands_eval_and_envs_load_no_trainer_module(tmp_path: Path) -> None:

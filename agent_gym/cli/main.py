@@ -13,7 +13,6 @@ import asyncio
 import functools
 import json
 import os
-import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
@@ -21,7 +20,7 @@ from dataclasses import asdict, dataclass
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import gymnasium
 
@@ -29,23 +28,16 @@ import agent_gym
 from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.alfworld.games import GameError
 from agent_gym.cli import runs as runs_cli
+from agent_gym.cli.parsing import DefaultsHelpFormatter, OneLineParser, add_env_arg
 from agent_gym.data import DataError
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.eval.compare import CompareError
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import PolicyError, PolicyInput, make_policy, phrase_action
-from agent_gym.eval.run import (
-    ERRORS_FILE,
-    EvalConfig,
-    RunMismatchError,
-    Summary,
-    action_protocol,
-    evaluate,
-    format_table,
-    overall_summary,
-    read_summary,
-    record_key,
-)
+from agent_gym.eval.run import action_protocol, evaluate
+from agent_gym.eval.runlog import ERRORS_FILE, RunMismatchError, record_key
 from agent_gym.eval.runs import RunDirError
+from agent_gym.eval.summary import Summary, format_table, overall_summary, read_summary
 from agent_gym.render import TemplateError
 from agent_gym.search import cli as search_cli
 
@@ -80,28 +72,6 @@ SUITES: dict[str, list[SuiteEntry]] = {
     ],
 }
 SUITE_POLICIES = ["oracle", "local"]
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (with where to read more), not the whole
-    usage block: the line is what a user needs to fix the command."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends each option's default to its help, unless the help already says it in its own
-    words ("default: 10, or the suite's counts", which a bare "(default: None)" after it
-    contradicted) or there is none worth saying (None, an empty list, an off switch)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (re.search(r"\bdefault:", text, re.IGNORECASE) or default is None
-                or default is False or default == []):
-            return text
-        return super()._get_help_string(action)
 
 
 class UserError(Exception):
@@ -199,28 +169,10 @@ def _positive(text: str) -> int:
     return value
 
 
-def _env_arg(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
-HOST_SETTING_HELP = ("repeatable; a host setting (isolation, limits, url, paths) to build the "
-                     "env with: a state never chooses these itself")
-
-
-def add_env_arg(parser: argparse.ArgumentParser, help: str = HOST_SETTING_HELP) -> None:
-    """The repeatable ``--env-arg KEY=VALUE`` option (VALUE as JSON, else a string)."""
-    parser.add_argument("--env-arg", type=_env_arg, action="append", default=[],
-                        metavar="KEY=VALUE", help=help)
-
-
-def _env_factory(config: EvalConfig, ray_address: str | None) -> Any:
-    """Envs in this process, or (``--ray``) each in a Ray actor on the cluster."""
+def _env_factory(config: EvalConfig, ray_address: str | None, plugins: Sequence[str] = ()
+                 ) -> Any:
+    """Envs in this process, or (``--ray``) each in a Ray actor on the cluster, which
+    imports ``plugins`` (``--import``) before it makes its env."""
     if ray_address is None:
         return None
     from agent_gym.serve.distributed import ensure_ray, remote_env_factory
@@ -232,7 +184,7 @@ def _env_factory(config: EvalConfig, ray_address: str | None) -> Any:
             f"no Ray cluster at {ray_address!r} ({err}); start one with `ray start --head`, "
             "or pass a bare --ray for a Ray inside this process"
         ) from err
-    return remote_env_factory(config.env_id, config.env_kwargs, ray_address)
+    return remote_env_factory(config.env_id, config.env_kwargs, ray_address, plugins)
 
 
 def _probe_env(env_id: str, env_kwargs: dict[str, Any], policy_spec: str) -> None:
@@ -330,7 +282,8 @@ def _eval(args: argparse.Namespace) -> int:
                 try:
                     summary = asyncio.run(evaluate(
                         config, policy, out_dir, concurrency=args.concurrency,
-                        progress=not args.quiet, make_env=_env_factory(config, args.ray),
+                        progress=not args.quiet,
+                        make_env=_env_factory(config, args.ray, args.imports),
                         notify=_tell,
                     ))
                 except KeyboardInterrupt:
@@ -384,7 +337,8 @@ def _run_name(policy_spec: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agent_gym.serve.app import ServerConfig, serve
+    from agent_gym.serve.app import serve
+    from agent_gym.serve.sessions import ServerConfig
 
     token = None
     if args.token_env is not None:
@@ -406,12 +360,13 @@ def _missing_serve(missing: str, _: argparse.Namespace) -> int:
 
 def _register_serve(commands: Any) -> None:
     try:
-        from agent_gym.serve.app import (
+        import agent_gym.serve.app  # noqa: F401  (it needs FastAPI, the serve extra)
+        from agent_gym.serve.sessions import (
             DEFAULT_IDLE_TIMEOUT_S,
             DEFAULT_MAX_REQUEST_BYTES,
             DEFAULT_MAX_SESSIONS,
-            OPENENV_VERSION_MATCHED,
         )
+        from agent_gym.serve.wire import OPENENV_VERSION_MATCHED
     except ImportError as err:  # the server's stack is an optional extra
         # Every argument, --help included, is taken as it comes, so whatever the user typed
         # the answer is the one line that names the extra.
@@ -530,7 +485,7 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
         "cluster (e.g. auto)",
     )
     evaluation.set_defaults(run=_eval)
-    runs_cli.register(commands, add_env_arg)
+    runs_cli.register(commands)
     search_cli.register(commands)
     alfworld_cli.register(commands)
     _register_serve(commands)

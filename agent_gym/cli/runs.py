@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from agent_gym.cli.parsing import add_env_arg
 from agent_gym.eval.compare import CompareError, compare, format_comparison
 from agent_gym.eval.report import Compared, render_report
 from agent_gym.eval.rescore import default_output, format_rescore, rescore_run
-from agent_gym.eval.run import EPISODES_FILE, ERRORS_FILE
+from agent_gym.eval.runlog import EPISODES_FILE, ERRORS_FILE
 from agent_gym.eval.runs import CONFIG_FILE, SUMMARY_FILE, Run, RunDirError, find_runs, read_run
 
 REPORT_FILE = "report.html"
@@ -96,15 +97,8 @@ def _rescore(args: argparse.Namespace) -> int:
     return 1 if result.failed else 0
 
 
-class AddEnvArg(Protocol):
-    """How the CLI adds its ``--env-arg`` option to a parser."""
-
-    def __call__(self, parser: argparse.ArgumentParser, help: str = ...) -> None: ...
-
-
-def register(commands: Any, add_env_arg: AddEnvArg) -> None:
-    """Add ``view``, ``compare`` and ``rescore`` to the top-level parser; ``add_env_arg``
-    adds the CLI's ``--env-arg`` option (with its host-setting help unless given one)."""
+def register(commands: Any) -> None:
+    """Add ``view``, ``compare`` and ``rescore`` to the top-level parser."""
     view = commands.add_parser(
         "view", help="write a static HTML report of eval runs (opens from disk)",
         description="Read each RUN (an eval --out directory, or a suite's, with a run per env "

@@ -1,8 +1,10 @@
 """The env contract: what an env author reads.
 
 ``base`` holds ``TextEnv`` (reset/step, turn counting, the action history and its replay)
-and ``OutcomeEnv``; ``state`` the saved state and its checks; ``hoststore`` the host's
-record of played prefixes behind fast restores in a fresh process.
+and ``OutcomeEnv``; ``types`` the values they exchange (``Task``, ``Opening``,
+``Transition``, the info keys); ``spaces`` the ``UnicodeText`` space; ``state`` the saved
+state and its checks; ``prefixes`` the prefixes an env played, behind its fast restores, and
+``hoststore`` the host's record of them, behind fast restores in a fresh process.
 """
 
 from agent_gym.env.base import (
@@ -10,15 +12,22 @@ from agent_gym.env.base import (
     MAX_ACTION_CHARS,
     MAX_OBSERVATION_CHARS,
     REWARD_SETTINGS,
+    EnvShape,
+    OutcomeEnv,
+    TextEnv,
+    describe_env,
+)
+from agent_gym.env.prefixes import PrefixIndex
+from agent_gym.env.spaces import UnicodeText
+from agent_gym.env.state import EnvState, StateError, StateMismatchError
+from agent_gym.env.types import (
     BackendFailure,
     Opening,
-    OutcomeEnv,
+    ResetInfo,
+    StepInfo,
     Task,
-    TextEnv,
     Transition,
-    UnicodeText,
 )
-from agent_gym.env.state import EnvState, StateError, StateMismatchError
 
 __all__ = [
     "DEFAULT_MAX_OBS_CHARS",
@@ -26,13 +35,18 @@ __all__ = [
     "MAX_OBSERVATION_CHARS",
     "REWARD_SETTINGS",
     "BackendFailure",
+    "EnvShape",
     "EnvState",
     "Opening",
     "OutcomeEnv",
+    "PrefixIndex",
+    "ResetInfo",
     "StateError",
     "StateMismatchError",
+    "StepInfo",
     "Task",
     "TextEnv",
     "Transition",
     "UnicodeText",
+    "describe_env",
 ]

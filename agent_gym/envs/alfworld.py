@@ -151,7 +151,7 @@ class ALFWorldEnv(OutcomeEnv):
         self.plan_timeout = plan_timeout
         store_file = store_path(restore_store)
         self._engine = Engine(host_store("alfworld_games", store_file))
-        self._store = host_store("alfworld_prefixes", store_file)
+        self.use_prefix_store(host_store("alfworld_prefixes", store_file))
         self._moved: str | None = None  # the operator the last _step applied, if any
         self._game: tuple[str, Game] | None = None
         self._root: Snapshot | None = None

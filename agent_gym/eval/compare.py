@@ -16,8 +16,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agent_gym.eval.run import ReplyCounts, wilson_interval
 from agent_gym.eval.runs import EpisodeKey, Run
+from agent_gym.eval.stats import wilson_interval
+from agent_gym.eval.summary import ReplyCounts
 
 
 class CompareError(ValueError):

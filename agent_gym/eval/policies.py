@@ -51,6 +51,7 @@ import httpx
 
 from agent_gym.actions.protocols import ActionProtocol
 from agent_gym.actions.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call
+from agent_gym.seeding import derive_seed
 
 
 class PolicyError(RuntimeError):
@@ -92,17 +93,6 @@ def says_context_length(text: str) -> bool:
     """Whether a server's error text says the prompt exceeds the model's context."""
     lowered = text.lower()
     return any(marker in lowered for marker in CONTEXT_LENGTH_MARKERS)
-
-
-def derive_seed(*parts: object) -> int:
-    """The one seed derivation: a 31-bit seed from (run seed, episode, rollout, turn, ...).
-
-    Seeds depend on what they are for, never on scheduling order, so a resumed or
-    concurrent run draws what an uninterrupted sequential one would (``agent_gym_train.run``
-    derives its step and group seeds with it too).
-    """
-    key = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=4).digest()
-    return int.from_bytes(key, "little") & 0x7FFFFFFF
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent_gym.eval.compare import Comparison, PairedDifference
-from agent_gym.eval.run import record_key
+from agent_gym.eval.runlog import record_key
 from agent_gym.eval.runs import EpisodeKey, Run
 
 OPEN_MESSAGE_CHARS = 2000  # longer messages start collapsed (a click shows them whole)

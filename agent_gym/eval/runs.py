@@ -27,14 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent_gym.eval.run import (
-    EPISODES_FILE,
-    ERRORS_FILE,
-    EvalConfig,
-    Summary,
-    record_key,
-    summarize,
-)
+from agent_gym.eval.config import EvalConfig
+from agent_gym.eval.runlog import EPISODES_FILE, ERRORS_FILE, record_key
+from agent_gym.eval.summary import Summary, summarize
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"

@@ -19,6 +19,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
+DESCRIPTION = ("Generate the bundled search corpus: an original, fictional but consistent small "
+               "world.")
 SEED = 20261130
 HELD_OUT_EVERY = 4  # question i is in the test split when i % 4 == 3
 
@@ -437,7 +440,7 @@ def write(out_dir: Path, seed: int = SEED) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("out_dir", type=Path, help="where to write search_corpus/qa.jsonl")
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args(argv)

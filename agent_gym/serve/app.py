@@ -32,15 +32,10 @@ import contextlib
 import hmac
 import json
 import logging
-import secrets
 import sys
-import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import gymnasium
 
@@ -53,384 +48,25 @@ except ImportError as err:  # the server's stack is an optional extra
     raise ImportError(f"agent-gym serve needs FastAPI: {install_hint('serve')}") from err
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
-from agent_gym.env.base import TextEnv, _json_kwargs
-from agent_gym.env.state import EnvState, StateError
+from agent_gym.serve.sessions import ServerConfig, Session, SessionPool
+from agent_gym.serve.wire import (
+    ACTION_SCHEMA,
+    EXECUTION_ERROR,
+    INVALID_JSON,
+    OBSERVATION_SCHEMA,
+    REQUEST_TOO_LARGE,
+    SESSION_ERROR,
+    STATE_SCHEMA,
+    UNAUTHORIZED,
+    UNKNOWN_TYPE,
+    VALIDATION_ERROR,
+    ProtocolError,
+    dumps,
+    mcp_tools,
+    rpc_error,
+)
 
 log = logging.getLogger(__name__)
-
-OPENENV_VERSION_MATCHED = "openenv 0.4.1"
-DEFAULT_MAX_SESSIONS = 64
-DEFAULT_IDLE_TIMEOUT_S = 600.0
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-MAX_REAPED_IDS = 10_000
-# A step of an env whose steps are computation only (``TextEnv.steps_in_process``) runs on
-# the event loop, skipping the two thread hand-offs that cost more than such a step (0.25 ms
-# of the 1 ms p50 a Search-v0 step took through the server on a loaded 2-core machine) --
-# once that session's last INLINE_AFTER steps each took under INLINE_STEP_BUDGET_S. A pure-
-# Python step in a worker thread holds the GIL, and so the loop, just as long, so a short one
-# holds no other session up longer there; a slower step sends the session back to the pool.
-INLINE_STEP_BUDGET_S = 0.001
-INLINE_AFTER = 3
-T = TypeVar("T")
-
-# OpenEnv's WSErrorCode values, plus two of ours for restore and authentication.
-INVALID_JSON = "INVALID_JSON"
-UNKNOWN_TYPE = "UNKNOWN_TYPE"
-VALIDATION_ERROR = "VALIDATION_ERROR"
-EXECUTION_ERROR = "EXECUTION_ERROR"
-CAPACITY_REACHED = "CAPACITY_REACHED"
-FACTORY_ERROR = "FACTORY_ERROR"
-SESSION_ERROR = "SESSION_ERROR"
-REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
-STATE_REFUSED = "STATE_REFUSED"
-UNAUTHORIZED = "UNAUTHORIZED"
-
-ACTION_SCHEMA: dict[str, Any] = {
-    "title": "AgentGymAction",
-    "description": "The assistant's raw reply; tool calls are written in it as the env's "
-    "prompt asks.",
-    "type": "object",
-    "properties": {
-        "text": {"type": "string", "description": "the assistant's message"},
-        "metadata": {"type": "object", "description": "ignored by the env"},
-    },
-    "required": ["text"],
-    "additionalProperties": False,
-}
-OBSERVATION_SCHEMA: dict[str, Any] = {
-    "title": "AgentGymObservation",
-    "type": "object",
-    "properties": {
-        "text": {"type": "string", "description": "the env's observation"},
-        "info": {"type": "object", "description": "the Gymnasium info dict (messages, tools, "
-                 "privileged, message, invalid, turn, ...)"},
-        "terminated": {"type": "boolean"},
-        "truncated": {"type": "boolean"},
-        "session_id": {"type": "string", "description": "HTTP sessions only"},
-    },
-    "required": ["text", "info", "terminated", "truncated"],
-}
-STATE_SCHEMA: dict[str, Any] = {
-    "title": "AgentGymState",
-    "type": "object",
-    "properties": {
-        "episode_id": {"type": ["string", "null"]},
-        "step_count": {"type": "integer", "minimum": 0},
-        "env_state": {"type": ["object", "null"], "description": "agent_gym EnvState: pass "
-                      "it as reset's 'state' to restore this point of the episode"},
-        "num_tasks": {"type": "integer", "minimum": 1, "description": "tasks the env holds"},
-        "max_turns": {"type": "integer", "minimum": 1, "description": "replies an episode "
-                      "may take"},
-    },
-}
-
-
-class ProtocolError(Exception):
-    """A request the server refuses; ``code`` is the wire error code."""
-
-    def __init__(self, code: str, message: str, status: int = 400, **extra: Any) -> None:
-        super().__init__(message)
-        self.code = code
-        self.status = status
-        self.extra = extra
-
-    def payload(self) -> dict[str, Any]:
-        return {"message": str(self), "code": self.code, **self.extra}
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """What the server hosts and its limits. ``env_kwargs`` are the server's own settings:
-    every session's env is built from them, whatever a client sends."""
-
-    env_id: str
-    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    token: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
-        if self.max_request_bytes < 1024:
-            raise ValueError("max_request_bytes must be at least 1024")
-        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be positive (or None for no reaping)")
-
-
-@dataclass
-class Session:
-    """One client's env. Its lock keeps that env's calls in order (HTTP requests for one
-    session may arrive concurrently); different sessions step in parallel threads, except
-    short steps of in-process envs, which run on the event loop (INLINE_STEP_BUDGET_S)."""
-
-    session_id: str
-    env: gymnasium.Env
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    last_active: float = field(default_factory=time.monotonic)
-    episode_id: str | None = None
-    step_count: int = 0
-    closed: bool = False
-    # Consecutive steps under INLINE_STEP_BUDGET_S; counted only for envs whose steps run
-    # in process, so it says whether the next step may run on the event loop.
-    fast_steps: int = 0
-    # A WebSocket session's way to tell its client, when the reaper closes it, and hang up.
-    on_reaped: Callable[[], Awaitable[None]] | None = None
-
-
-class SessionPool:
-    """At most ``max_sessions`` live envs; idle ones are closed by a reaper task."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self.sessions: dict[str, Session] = {}
-        # Ids of reaped sessions, so a late client is told why its session is gone;
-        # bounded, oldest forgotten first.
-        self.reaped: OrderedDict[str, None] = OrderedDict()
-        self._reserved = 0
-        # One thread per possible session: a slow env (a sandboxed cell, an ALFWorld
-        # planner) must not hold up the others.
-        self.executor = ThreadPoolExecutor(
-            max_workers=min(config.max_sessions, 256), thread_name_prefix="agent-gym-env"
-        )
-        self._own_kwargs: dict[str, Any] | None = None
-        self.tools: list[dict[str, Any]] | None = None
-
-    async def run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: func(*args, **kwargs))
-
-    async def open(self) -> Session:
-        if len(self.sessions) + self._reserved >= self.config.max_sessions:
-            raise ProtocolError(
-                CAPACITY_REACHED,
-                f"the server holds its maximum of {self.config.max_sessions} sessions; close "
-                "one or start the server with a larger --max-sessions",
-                status=503,
-                active_sessions=len(self.sessions),
-                max_sessions=self.config.max_sessions,
-            )
-        self._reserved += 1
-        try:
-            # No passive env checker: it is a development aid, and a refused first reset
-            # (a bad task index) would leave it unable to check the next one.
-            env = await self.run(gymnasium.make, self.config.env_id, disable_env_checker=True,
-                                 **self.config.env_kwargs)
-        except Exception as exc:
-            log.exception("building %s failed", self.config.env_id)
-            raise ProtocolError(
-                FACTORY_ERROR, f"could not build {self.config.env_id}: {exc}", status=500,
-                factory_name=self.config.env_id,
-            ) from exc
-        finally:
-            self._reserved -= 1
-        if not isinstance(env.unwrapped, TextEnv):
-            env.close()
-            raise ProtocolError(FACTORY_ERROR, f"{self.config.env_id} is not an agent_gym env",
-                                status=500, factory_name=self.config.env_id)
-        if self._own_kwargs is None:
-            self._own_kwargs = _json_kwargs(self.config.env_id, env.unwrapped._env_kwargs)
-        session = Session(secrets.token_hex(16), env)
-        self.sessions[session.session_id] = session
-        return session
-
-    def get(self, session_id: Any) -> Session:
-        if not isinstance(session_id, str) or not session_id:
-            raise ProtocolError(VALIDATION_ERROR, "give the 'session_id' that /reset returned "
-                                "(in observation.session_id)")
-        session = self.sessions.get(session_id)
-        if session is None:
-            why = "was closed after being idle too long" if session_id in self.reaped else \
-                "is unknown (never opened, or already closed)"
-            raise ProtocolError(SESSION_ERROR, f"session {session_id!r} {why}", status=404)
-        return session
-
-    async def close(self, session: Session) -> None:
-        if self.sessions.pop(session.session_id, None) is None:
-            return
-        session.closed = True
-        async with session.lock:
-            with contextlib.suppress(Exception):
-                await self.run(session.env.close)
-
-    async def reap_forever(self) -> None:
-        timeout = self.config.idle_timeout_s
-        if timeout is None:
-            return
-        while True:
-            await asyncio.sleep(min(max(timeout / 4, 0.05), 30.0))
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                if now - session.last_active > timeout and not session.lock.locked():
-                    self.reaped[session.session_id] = None
-                    while len(self.reaped) > MAX_REAPED_IDS:
-                        self.reaped.popitem(last=False)
-                    await self.close(session)
-                    if session.on_reaped is not None:
-                        with contextlib.suppress(Exception):  # the client may be gone too
-                            await session.on_reaped()
-
-    async def shutdown(self) -> None:
-        for session in list(self.sessions.values()):
-            await self.close(session)
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
-    # ----------------------------------------------------------------- episode calls
-    async def reset(self, session: Session, data: Mapping[str, Any]) -> dict[str, Any]:
-        seed, options, episode_id = self._reset_arguments(data)
-        async with session.lock:
-            self._check_open(session)
-            try:
-                observation, info = await self.run(session.env.reset, seed=seed, options=options)
-            except StateError as exc:
-                raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
-            except (KeyError, IndexError, ValueError, TypeError) as exc:
-                raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
-            session.episode_id = episode_id
-            session.step_count = int(info.get("turn", 0))
-            session.last_active = time.monotonic()
-        return observation_payload(observation, info, reward=None, terminated=False,
-                                   truncated=False)
-
-    async def step(self, session: Session, action: Any) -> dict[str, Any]:
-        text = action_text(action)
-        async with session.lock:
-            self._check_open(session)
-            try:
-                if session.fast_steps >= INLINE_AFTER:
-                    outcome, took = timed_step(session.env, text)
-                else:
-                    outcome, took = await self.run(timed_step, session.env, text)
-            except RuntimeError as exc:  # stepping before reset or after the end
-                raise ProtocolError(EXECUTION_ERROR, str(exc)) from exc
-            observation, reward, terminated, truncated, info = outcome
-            in_process = session.env.unwrapped.steps_in_process
-            fast = in_process and took < INLINE_STEP_BUDGET_S
-            session.fast_steps = session.fast_steps + 1 if fast else 0
-            session.step_count += 1
-            session.last_active = time.monotonic()
-        return observation_payload(observation, info, reward=reward, terminated=terminated,
-                                   truncated=truncated)
-
-    async def state(self, session: Session) -> dict[str, Any]:
-        async with session.lock:
-            self._check_open(session)
-            session.last_active = time.monotonic()
-            try:
-                env_state = await self.run(session.env.unwrapped.save_state)
-            except RuntimeError:  # not reset yet: no episode to save
-                env_state = None
-        return {
-            "episode_id": session.episode_id,
-            "step_count": session.step_count,
-            "env_state": None if env_state is None else json.loads(env_state.to_json()),
-            # What a client needs to plan episodes (eval's task order, a trainer's turns).
-            "num_tasks": session.env.unwrapped.num_tasks,
-            "max_turns": session.env.unwrapped.max_turns,
-        }
-
-    def _check_open(self, session: Session) -> None:
-        if session.closed:
-            raise ProtocolError(SESSION_ERROR, f"session {session.session_id!r} was closed "
-                                "after being idle too long", status=404)
-
-    def _reset_arguments(
-        self, data: Mapping[str, Any]
-    ) -> tuple[int | None, dict[str, Any], str | None]:
-        if not isinstance(data, Mapping):
-            raise ProtocolError(VALIDATION_ERROR, "reset data must be a JSON object")
-        unknown = set(data) - {"seed", "episode_id", "state", "task_id", "index"}
-        if unknown:
-            raise ProtocolError(VALIDATION_ERROR, f"unknown reset fields {sorted(unknown)}; "
-                                "use seed, episode_id, task_id, index or state")
-        seed = data.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ProtocolError(VALIDATION_ERROR, "seed must be a non-negative integer")
-        episode_id = data.get("episode_id")
-        if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
-            raise ProtocolError(VALIDATION_ERROR, "episode_id must be a string of at most 255 "
-                                "characters")
-        options = {key: data[key] for key in ("task_id", "index") if key in data}
-        if "state" in data:
-            if options or seed is not None:
-                raise ProtocolError(VALIDATION_ERROR, "'state' cannot be combined with seed, "
-                                    "task_id or index: the state names its task and seed")
-            options["state"] = self._trusted_state(data["state"])
-        return seed, options, episode_id
-
-    def _trusted_state(self, raw: Any) -> EnvState:
-        """Parse a client's state and accept it only for this server's env and settings."""
-        try:
-            state = EnvState.from_json(raw) if isinstance(raw, str) else EnvState.from_dict(raw)
-        except StateError as exc:
-            raise ProtocolError(STATE_REFUSED, f"bad state: {exc}") from exc
-        if state.env_id != self.config.env_id:
-            raise ProtocolError(STATE_REFUSED, f"the state belongs to {state.env_id!r}; this "
-                                f"server hosts {self.config.env_id!r}")
-        if state.env_kwargs != self._own_kwargs:
-            raise ProtocolError(
-                STATE_REFUSED,
-                f"the state was saved from {state.env_id} built with {state.env_kwargs}; this "
-                f"server builds it with {self._own_kwargs} (its own --env-arg settings) and "
-                "never takes env settings from a client",
-            )
-        return state
-
-
-def timed_step(
-    env: gymnasium.Env, text: str
-) -> tuple[tuple[str, float, bool, bool, dict[str, Any]], float]:
-    """``env.step(text)`` and the seconds it took, timed where it ran."""
-    started = time.perf_counter()
-    outcome = env.step(text)
-    return outcome, time.perf_counter() - started
-
-
-def action_text(action: Any) -> str:
-    """The assistant text of an action object: ``{"text": "...", "metadata"?: {...}}``."""
-    if not isinstance(action, Mapping):
-        raise ProtocolError(VALIDATION_ERROR, "the action must be an object {\"text\": \"...\"}")
-    extra = set(action) - {"text", "metadata"}
-    if extra:
-        raise ProtocolError(VALIDATION_ERROR, f"unknown action fields {sorted(extra)}; the "
-                            "action is {\"text\": \"<assistant message>\"}")
-    text = action.get("text")
-    if not isinstance(text, str):
-        raise ProtocolError(VALIDATION_ERROR, "action field 'text' must be a string")
-    return text
-
-
-def observation_payload(
-    observation: str, info: Mapping[str, Any], *, reward: float | None, terminated: bool,
-    truncated: bool,
-) -> dict[str, Any]:
-    """OpenEnv's ``{observation, reward, done}``; the observation keeps the Gymnasium
-    split of ``done`` into ``terminated`` and ``truncated``, which trainers need."""
-    return {
-        "observation": {
-            "text": observation,
-            "info": dict(info),
-            "terminated": bool(terminated),
-            "truncated": bool(truncated),
-        },
-        "reward": None if reward is None else float(reward),
-        "done": bool(terminated or truncated),
-    }
-
-
-def dumps(value: Any) -> str:
-    """``value`` as JSON text in one pass: numpy scalars become numbers, sets and tuples
-    lists, anything else unknown its string (an env's info may hold any of them)."""
-    return json.dumps(value, default=_convert, ensure_ascii=False)
-
-
-def _convert(item: Any) -> Any:
-    if hasattr(item, "item") and callable(item.item):
-        return item.item()
-    if isinstance(item, set | frozenset | tuple):
-        return list(item)
-    return str(item)
 
 
 class JSONText(Response):
@@ -470,17 +106,29 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title=f"agent-gym {config.env_id}", version=_version(), lifespan=lifespan)
     app.state.pool = pool
+    add_http_routes(app, pool)
+    add_mcp_route(app, pool)
+    add_websocket_route(app, pool)
+    return app
 
-    def authorized(headers: Mapping[str, str]) -> bool:
-        if config.token is None:
-            return True
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), config.token)
+
+def authorized(headers: Mapping[str, str], token: str | None) -> bool:
+    if token is None:
+        return True
+    scheme, _, given = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+
+
+# --------------------------------------------------------------------- HTTP
+def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
+    """OpenEnv's HTTP routes: ``/reset``, ``/step``, ``/state``, ``/close`` (ours), and
+    ``/health``, ``/metadata``, ``/schema``."""
+    config = pool.config
 
     async def guarded(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> JSONText:
         """Authenticate, read the body within the size limit, map refusals to errors."""
         try:
-            if not authorized(request.headers):
+            if not authorized(request.headers, config.token):
                 raise ProtocolError(UNAUTHORIZED, "missing or wrong bearer token", status=401)
             body = await read_body(request, config.max_request_bytes)
             payload: Any = {}
@@ -573,21 +221,74 @@ def create_app(config: ServerConfig) -> FastAPI:
         return {"action": ACTION_SCHEMA, "observation": OBSERVATION_SCHEMA,
                 "state": STATE_SCHEMA}
 
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(REQUEST_TOO_LARGE, f"the request body is {declared} bytes; the "
+                            f"server's limit is {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(REQUEST_TOO_LARGE, f"the request body exceeds the server's "
+                                f"limit of {limit} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# --------------------------------------------------------------------- MCP
+def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
+    """``POST /mcp``: JSON-RPC 2.0 ``tools/list``."""
+    config = pool.config
+
     @app.post("/mcp", tags=["MCP"])
     async def mcp(request: Request) -> JSONText:
         """JSON-RPC 2.0 ``tools/list``: the env's tools. Episodes run on /ws and /step."""
         try:
-            if not authorized(request.headers):
+            if not authorized(request.headers, config.token):
                 raise ProtocolError(UNAUTHORIZED, "missing or wrong bearer token", status=401)
             body = await read_body(request, config.max_request_bytes)
         except ProtocolError as exc:
             return JSONText({"detail": exc.payload()}, status_code=exc.status)
         return JSONText(await mcp_reply(body, pool))
 
+
+async def mcp_reply(body: bytes, pool: SessionPool) -> dict[str, Any]:
+    try:
+        request = json.loads(body or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return rpc_error(None, -32700, "Parse error")
+    if not isinstance(request, dict) or request.get("jsonrpc") != "2.0" or "method" not in request:
+        return rpc_error(request.get("id") if isinstance(request, dict) else None, -32600,
+                         "Invalid Request: expected a JSON-RPC 2.0 request")
+    if request["method"] != "tools/list":
+        return rpc_error(request.get("id"), -32601, f"Method not found: {request['method']}; "
+                         "only tools/list is served (episodes run on /ws)")
+    if pool.tools is None:
+        pool.tools = await pool.run(_env_tools, pool.config.env_id, dict(pool.config.env_kwargs))
+    tools = pool.tools
+    return {"jsonrpc": "2.0", "id": request.get("id"), "result": {"tools": mcp_tools(tools)}}
+
+
+def _env_tools(env_id: str, env_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    env = gymnasium.make(env_id, **env_kwargs)
+    try:
+        return env.reset(options={"index": 0})[1]["tools"]
+    finally:
+        env.close()
+
+
+# --------------------------------------------------------------------- WebSocket
+def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
+    """``/ws``: one session per connection, answered frame by frame (``serve_frames``)."""
+    config = pool.config
+
     @app.websocket("/ws")
     async def websocket_session(websocket: WebSocket) -> None:
         await websocket.accept()
-        if not authorized(websocket.headers):
+        if not authorized(websocket.headers, config.token):
             with contextlib.suppress(RuntimeError, WebSocketDisconnect):
                 await send_error(websocket, ProtocolError(UNAUTHORIZED, "missing or wrong "
                                                           "bearer token"))
@@ -615,8 +316,6 @@ def create_app(config: ServerConfig) -> FastAPI:
             await pool.close(session)
             with contextlib.suppress(RuntimeError, WebSocketDisconnect):
                 await websocket.close()
-
-    return app
 
 
 async def serve_frames(
@@ -671,53 +370,6 @@ async def serve_frames(
 
 async def send_error(websocket: WebSocket, error: ProtocolError) -> None:
     await websocket.send_text(json.dumps({"type": "error", "data": error.payload()}))
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused past ``limit`` bytes without reading the rest."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(REQUEST_TOO_LARGE, f"the request body is {declared} bytes; the "
-                            f"server's limit is {limit}", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(REQUEST_TOO_LARGE, f"the request body exceeds the server's "
-                                f"limit of {limit} bytes", status=413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def mcp_reply(body: bytes, pool: SessionPool) -> dict[str, Any]:
-    try:
-        request = json.loads(body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return _rpc_error(None, -32700, "Parse error")
-    if not isinstance(request, dict) or request.get("jsonrpc") != "2.0" or "method" not in request:
-        return _rpc_error(request.get("id") if isinstance(request, dict) else None, -32600,
-                          "Invalid Request: expected a JSON-RPC 2.0 request")
-    if request["method"] != "tools/list":
-        return _rpc_error(request.get("id"), -32601, f"Method not found: {request['method']}; "
-                          "only tools/list is served (episodes run on /ws)")
-    if pool.tools is None:
-        pool.tools = await pool.run(_env_tools, pool.config.env_id, dict(pool.config.env_kwargs))
-    tools = pool.tools
-    listed = [{"name": t["function"]["name"], "description": t["function"]["description"],
-               "inputSchema": t["function"]["parameters"]} for t in tools]
-    return {"jsonrpc": "2.0", "id": request.get("id"), "result": {"tools": listed}}
-
-
-def _env_tools(env_id: str, env_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-    env = gymnasium.make(env_id, **env_kwargs)
-    try:
-        return env.reset(options={"index": 0})[1]["tools"]
-    finally:
-        env.close()
-
-
-def _rpc_error(request_id: Any, code: int, message: str) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
 
 
 def _version() -> str:

@@ -23,6 +23,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space
 
+from agent_gym.actions.protocols import ActionProtocol
 from agent_gym.env.state import EnvState
 from agent_gym.extras import install_hint
 
@@ -45,10 +46,15 @@ def ensure_ray(address: str | None = None) -> None:
 class EnvActor:
     """One env inside a Ray worker process."""
 
-    def __init__(self, env_id: str, env_kwargs: dict[str, Any]) -> None:
-        import agent_gym  # noqa: F401  (registers the envs in the worker)
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any], plugins: Sequence[str] = ()
+                 ) -> None:
+        import agent_gym  # registers the bundled envs in the worker
 
+        agent_gym.load_env_plugins(plugins)  # and the caller's, by the modules it imported
         self.env = gymnasium.make(env_id, **env_kwargs)
+
+    def protocol(self) -> ActionProtocol | None:
+        return getattr(self.env.unwrapped, "protocol", None)
 
     def spaces(self) -> tuple[gymnasium.Space, gymnasium.Space]:
         return self.env.observation_space, self.env.action_space
@@ -70,13 +76,18 @@ class RemoteEnv(gymnasium.Env):
     """A single env in a Ray actor, usable wherever a local env is (eval, rollouts).
 
     Its calls block until the actor answers; callers run them in threads, as they do for
-    local envs. ``save_state`` is on the env itself, so ``env.unwrapped.save_state()`` works.
+    local envs. ``save_state`` is on the env itself, so ``env.unwrapped.save_state()`` works,
+    and so is the env's action protocol (``protocol``), so scripted policies phrase their
+    actions as they would locally. ``plugins`` are the modules that register a third-party
+    env (``agent-gym --import``), imported in the actor before the env is made.
     """
 
-    def __init__(self, env_id: str, env_kwargs: dict[str, Any], address: str | None = None):
+    def __init__(self, env_id: str, env_kwargs: dict[str, Any], address: str | None = None,
+                 plugins: Sequence[str] = ()) -> None:
         ensure_ray(address)
-        self.actor = EnvActor.remote(env_id, env_kwargs)
+        self.actor = EnvActor.remote(env_id, env_kwargs, tuple(plugins))
         self.observation_space, self.action_space = ray.get(self.actor.spaces.remote())
+        self.protocol = ray.get(self.actor.protocol.remote())
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -102,12 +113,12 @@ def _close_actor(actor: Any) -> None:
 
 
 def remote_env_factory(
-    env_id: str, env_kwargs: dict[str, Any], address: str
+    env_id: str, env_kwargs: dict[str, Any], address: str, plugins: Sequence[str] = ()
 ) -> Callable[[], RemoteEnv]:
     """A factory of envs in Ray actors; ``address`` ``"local"`` starts a local Ray."""
     ray_address = None if address == "local" else address
     ensure_ray(ray_address)
-    return functools.partial(RemoteEnv, env_id, dict(env_kwargs), ray_address)
+    return functools.partial(RemoteEnv, env_id, dict(env_kwargs), ray_address, tuple(plugins))
 
 
 class RayVectorEnv(VectorEnv):
@@ -116,7 +127,8 @@ class RayVectorEnv(VectorEnv):
     Follows Gymnasium's next-step autoreset: the step after an episode ends resets that
     sub-env and ignores its action. ``reset(options={"state": s})`` restores every sub-env
     from one saved state (N branches); ``reset(options={"states": [...]})`` gives each its
-    own. ``save_states()`` collects the sub-envs' current states.
+    own. ``save_states()`` collects the sub-envs' current states. ``plugins`` are modules each
+    actor imports before it makes its env (a third-party env's registration).
     """
 
     metadata: ClassVar[dict[str, Any]] = {"autoreset_mode": AutoresetMode.NEXT_STEP}
@@ -129,10 +141,12 @@ class RayVectorEnv(VectorEnv):
         *,
         address: str | None = None,
         num_cpus: float = 1.0,
+        plugins: Sequence[str] = (),
     ) -> None:
         ensure_ray(address)
         self.env_id = env_id
         self.env_kwargs = dict(env_kwargs or {})
+        self.plugins = tuple(plugins)
         self.num_envs = num_envs
         self._num_cpus = num_cpus
         self.actors = [self._spawn() for _ in range(num_envs)]
@@ -144,7 +158,8 @@ class RayVectorEnv(VectorEnv):
         self._done = np.zeros(num_envs, dtype=np.bool_)
 
     def _spawn(self) -> Any:
-        return EnvActor.options(num_cpus=self._num_cpus).remote(self.env_id, self.env_kwargs)
+        return EnvActor.options(num_cpus=self._num_cpus).remote(self.env_id, self.env_kwargs,
+                                                                self.plugins)
 
     def reset(
         self, *, seed: int | Sequence[int | None] | None = None,

@@ -19,7 +19,8 @@ The learner computes only what the trained positions depend on, with the same lo
 gradient as the full-logits pass: the LM head and log-softmax run only where a target trains
 (``agent_gym_train.backends.logprobs``), rows stop at their last trained position, and rows opening
 with the same untrained prompt (a GRPO group, TEMPO's branches from one saved state) run that
-prompt once per call, whatever microbatches they fall into (``SharedPrefix``).
+prompt once per call, whatever microbatches they fall into
+(``agent_gym_train.backends.prefix``). Checkpoints: ``agent_gym_train.backends.checkpoints``.
 ``device`` and ``threads`` pick where it runs (``agent_gym_train.backends.runtime``).
 """
 
@@ -27,20 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import shutil
-import tempfile
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import LoraConfig, get_peft_model
 from pytrio import AdamParams, Datum
 from pytrio.client.training import CustomLossFn, _invoke_custom_loss
 from pytrio.client.training_batch import plan_training_batch
@@ -54,12 +49,22 @@ from pytrio.types import (
     SaveWeightsResponse,
     TensorData,
 )
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.cache_utils import Cache, DynamicLayer
 
+from agent_gym_train.backends.checkpoints import (
+    TrainingSetup,
+    load_checkpoint,
+    read_setup,
+    save_checkpoint,
+)
 from agent_gym_train.backends.logprobs import split_model, target_logprobs
 from agent_gym_train.backends.losses import check_loss, token_losses
+from agent_gym_train.backends.prefix import (
+    MIN_SHARED_PREFIX,
+    SharedPrefix,
+    recompute_layers,
+    shared_prefixes,
+)
 from agent_gym_train.backends.runtime import (
     apply_threads,
     autocast,
@@ -71,35 +76,11 @@ from agent_gym_train.backends.sampler import (
     DEFAULT_MAX_ROWS,
     LocalSamplingClient,
 )
+from agent_gym_train.episode import IGNORE_TARGET
 from agent_gym_train.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-# Rows opening with at least this many identical untrained tokens share their computation.
-MIN_SHARED_PREFIX = 16
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-META_FILE = "meta.json"
-WEIGHTS_FILE = "weights.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-
-
-@dataclass(frozen=True)
-class TrainingSetup:
-    """What a training run is: two runs can share a checkpoint only if these agree."""
-
-    base_model: str
-    lora_rank: int  # 0 = full fine-tuning
-    seed: int | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-    def mismatches(self, other: TrainingSetup) -> list[str]:
-        mine, theirs = asdict(self), asdict(other)
-        return [
-            f"{k} (this run {mine[k]!r}, checkpoint {theirs[k]!r})"
-            for k in mine
-            if k != "seed" and mine[k] != theirs[k]
-        ]
 
 
 CPU_MICROBATCH_TOKENS = 1024
@@ -200,7 +181,7 @@ class LocalServiceClient:
             tokenizer = load_tokenizer(base_model)
             model = load_model(base_model, tokenizer).to(self.device)
             return self.make_sampler(model, tokenizer, base_model)
-        setup = _read_meta(model_path)
+        setup = read_setup(model_path)
         if setup.base_model != base_model:
             raise ValueError(
                 f"{model_path} holds weights for {setup.base_model!r}, not {base_model!r}"
@@ -210,12 +191,12 @@ class LocalServiceClient:
         return client.save_weights_and_get_sampling_client()
 
     def create_training_client_from_state(self, path: str) -> LocalTrainingClient:
-        client = LocalTrainingClient(_read_meta(path), self)
+        client = LocalTrainingClient(read_setup(path), self)
         client.load_state(path).result()
         return client
 
     def create_training_client_from_state_with_optimizer(self, path: str) -> LocalTrainingClient:
-        client = LocalTrainingClient(_read_meta(path), self)
+        client = LocalTrainingClient(read_setup(path), self)
         client.load_state_with_optimizer(path).result()
         return client
 
@@ -449,7 +430,7 @@ class LocalTrainingClient:
             return out
 
         ids = padded([s.model_input.to_ints() for s in batch], 0, torch.long)
-        targets = padded([s.target_tokens for s in batch], -100, torch.long)
+        targets = padded([s.target_tokens for s in batch], IGNORE_TARGET, torch.long)
         counted = padded(trains, False, torch.bool)
         if loss_fn == "cross_entropy":
             inputs = {"weights": padded([s.weights for s in batch], 0.0, torch.float32)}
@@ -553,199 +534,34 @@ class LocalTrainingClient:
         self, name: str, ttl_seconds: int | None = None, overwrite: bool = False
     ) -> APIFuture[SaveWeightsResponse]:
         """Weights and optimizer state, for resuming; ``ttl_seconds`` is ignored locally."""
-        path, size = self._save(name, overwrite, with_optimizer=True)
+        path, size = save_checkpoint(self._dir, name, self.model, self.setup,
+                                     overwrite=overwrite, optimizer=self._ensure_optimizer)
         return APIFuture.completed(SaveWeightsResponse(path=path, model=self.model_id, size=size))
 
     def save_weights_for_sampler(
         self, name: str, ttl_seconds: int | None = None
     ) -> APIFuture[SaveWeightsForSamplerResponse]:
-        path, size = self._save(f"sampler-{name}", False, with_optimizer=False)
+        path, size = save_checkpoint(self._dir, f"sampler-{name}", self.model, self.setup,
+                                     overwrite=False)
         return APIFuture.completed(
             SaveWeightsForSamplerResponse(path=path, model=self.model_id, size=size)
         )
 
     def load_state(self, path: str) -> APIFuture[dict[str, object]]:
-        self._load(path, with_optimizer=False)
+        load_checkpoint(path, self.model, self.setup)
         return APIFuture.completed({})
 
     def load_state_with_optimizer(self, path: str) -> APIFuture[dict[str, object]]:
-        self._load(path, with_optimizer=True)
+        load_checkpoint(path, self.model, self.setup, optimizer=self._ensure_optimizer)
         return APIFuture.completed({})
-
-    def _save(self, name: str, overwrite: bool, *, with_optimizer: bool) -> tuple[str, int]:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"checkpoint name {name!r} must be a plain, non-hidden file name")
-        target = self._dir / name
-        if target.exists() and not overwrite:
-            raise FileExistsError(f"checkpoint {target} exists; pass overwrite=True to replace it")
-        self._dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=self._dir))
-        if self.setup.lora_rank:
-            weights = {k: v.contiguous() for k, v in get_peft_model_state_dict(
-                self.model, save_embedding_layers=False
-            ).items()}
-            safetensors.torch.save_file(weights, staging / WEIGHTS_FILE)
-        else:
-            safetensors.torch.save_model(self.model, str(staging / WEIGHTS_FILE))
-        if with_optimizer:  # an optimizer that has not stepped yet saves its empty state
-            torch.save(self._ensure_optimizer().state_dict(), staging / OPTIMIZER_FILE)
-        (staging / META_FILE).write_text(json.dumps(asdict(self.setup)), encoding="utf-8")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-        size = sum(f.stat().st_size for f in target.iterdir())
-        return str(target.resolve()), size
-
-    def _load(self, path: str, *, with_optimizer: bool) -> None:
-        saved = _read_meta(path)
-        problems = self.setup.mismatches(saved)
-        if problems:
-            raise ValueError(f"checkpoint {path} is incompatible: {', '.join(problems)}")
-        weights = Path(path) / WEIGHTS_FILE
-        if self.setup.lora_rank:
-            result = set_peft_model_state_dict(self.model, safetensors.torch.load_file(weights))
-            if result.unexpected_keys:
-                unknown = result.unexpected_keys[:3]
-                raise ValueError(f"checkpoint {path} has unknown tensors {unknown}")
-        else:
-            safetensors.torch.load_model(self.model, str(weights))
-        if with_optimizer:
-            state_file = Path(path) / OPTIMIZER_FILE
-            if not state_file.is_file():
-                raise FileNotFoundError(f"checkpoint {path} has no optimizer state")
-            self._ensure_optimizer().load_state_dict(torch.load(state_file, weights_only=True))
-
-
-def _read_meta(path: str) -> TrainingSetup:
-    meta = Path(path) / META_FILE
-    if not meta.is_file():
-        raise FileNotFoundError(f"{path} is not a local checkpoint (no {META_FILE})")
-    return TrainingSetup(**json.loads(meta.read_text(encoding="utf-8")))
-
-
-class SharedPrefix:
-    """An untrained opening several rows share, run once: its keys and values per layer.
-
-    Under autograd the rows attend to detached copies (leaves), so each microbatch's
-    backward stops there and adds its share to their gradients; ``backward`` then pushes the
-    sum through the prefix once. That is the gradient of running the prefix in every row.
-    Both passes use caches that give the same answer when a recomputed layer asks again
-    (``_Recorded``, ``_Fixed``), so they hold under ``recompute_layers`` too.
-    """
-
-    def __init__(self, body: torch.nn.Module, tokens: Sequence[int], device: torch.device):
-        self.length = len(tokens)
-        layers = [_Recorded() for _ in range(body.config.num_hidden_layers)]
-        body(input_ids=torch.tensor([list(tokens)], device=device), cache=Cache(layers=layers),
-             use_cache=True)
-        self._computed = [(layer.keys, layer.values) for layer in layers]
-        # A leaf wants a gradient only where the prefix depends on trained weights (a first
-        # layer's keys with frozen attention do not), and holds it in float32, so the
-        # microbatches' shares add up unrounded under a bf16 autocast.
-        self._seen = [tuple(t.detach().float().requires_grad_(t.requires_grad) for t in pair)
-                      for pair in self._computed]
-
-    def cache(self, rows: int) -> Cache:
-        """A cache holding the prefix for ``rows`` rows (views, not copies)."""
-        return Cache(layers=[
-            _Fixed(*(seen.to(computed.dtype).expand(rows, -1, -1, -1)
-                     for seen, computed in zip(seens, computeds, strict=True)))
-            for seens, computeds in zip(self._seen, self._computed, strict=True)
-        ])
-
-    def backward(self) -> None:
-        """Push the gradient the microbatches left on the leaves through the prefix, once."""
-        pairs = [(computed, seen.grad.to(computed.dtype))
-                 for layers in zip(self._computed, self._seen, strict=True)
-                 for computed, seen in zip(*layers, strict=True) if seen.grad is not None]
-        if pairs:
-            torch.autograd.backward([c for c, _ in pairs], [g for _, g in pairs])
-
-
-class _Recorded(DynamicLayer):
-    """A cache layer of a pass with no past: keeps the keys/values it is given, returns them.
-    A recomputed layer gives them again and they are replaced, never appended."""
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys, self.values = key_states, value_states
-        self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
-        return key_states, value_states
-
-
-class _Fixed(DynamicLayer):
-    """A cache layer holding a fixed past: the new positions attend to it and are not kept."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.keys, self.values = keys, values
-        self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.cat([self.keys, key_states], dim=-2),
-                torch.cat([self.values, value_states], dim=-2))
-
-
-def recompute_layers(body: torch.nn.Module) -> None:
-    """Make each decoder layer of ``body`` keep only its input for the backward pass and run
-    again there, instead of keeping every activation (activation checkpointing).
-
-    Not Hugging Face's ``gradient_checkpointing_enable``: that drops a layer's cache, and a
-    ``SharedPrefix`` needs it. The learner's caches answer a recomputed layer as they
-    answered the first run, and its plain passes run without one.
-    """
-    layers = getattr(body, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(body).__name__} has no list of decoder layers to recompute")
-    for layer in layers:
-        layer.forward = partial(_recomputed, layer.forward)
-
-
-def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``forward`` under a checkpoint when autograd records (a sampler or a forward-only
-    pass has nothing to recompute)."""
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def shared_prefixes(
-    leads: Sequence[Sequence[int] | None], minimum: int
-) -> list[tuple[list[int], int]]:
-    """Rows grouped by identical untrained opening tokens: ``(rows, shared length)``.
-
-    ``leads[r]`` is row r's tokens before its first counted position (None: nothing
-    counted). Rows whose lead is shared by another row and at least ``minimum`` long form a
-    group with that prefix; all other rows go together with prefix 0.
-    """
-    by_lead: dict[tuple[int, ...], list[int]] = {}
-    alone: list[int] = []
-    for row, lead in enumerate(leads):
-        if lead is None:
-            alone.append(row)
-        else:
-            by_lead.setdefault(tuple(lead), []).append(row)
-    groups: list[tuple[list[int], int]] = []
-    for lead, rows in by_lead.items():
-        if len(rows) > 1 and len(lead) >= minimum:
-            groups.append((rows, len(lead)))
-        else:
-            alone.extend(rows)
-    if alone:
-        groups.append((sorted(alone), 0))
-    return groups
-
 
 def _trains(sample: Any, loss_fn: str) -> list[bool]:
     """Which positions of a sample train: a target, with a nonzero weight under
     ``cross_entropy`` (a zero-weight position adds nothing, so nothing is computed for it)."""
     if loss_fn == "cross_entropy":
-        return [t != -100 and w != 0
+        return [t != IGNORE_TARGET and w != 0
                 for t, w in zip(sample.target_tokens, sample.weights, strict=True)]
-    return [t != -100 for t in sample.target_tokens]
+    return [t != IGNORE_TARGET for t in sample.target_tokens]
 
 
 def microbatches(lengths: Sequence[int], budget: int) -> list[list[int]]:

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from agent_gym.eval.run import Summary, wilson_interval
+from agent_gym.eval.stats import wilson_interval
+from agent_gym.eval.summary import Summary
+from agent_gym_train.args import PRESETS
 from agent_gym_train.cli import COMMANDS
 from agent_gym_train.demo import table
-from agent_gym_train.run import PRESETS
 
 
 def summary(successes: int, episodes: int) -> Summary:

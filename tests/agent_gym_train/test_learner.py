@@ -11,13 +11,9 @@ import pytest
 import torch
 from pytrio import Datum, ModelInput
 
-from agent_gym_train.backends.local import (
-    MIN_SHARED_PREFIX,
-    LocalServiceClient,
-    LocalTrainingClient,
-    shared_prefixes,
-)
+from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
 from agent_gym_train.backends.losses import token_losses
+from agent_gym_train.backends.prefix import MIN_SHARED_PREFIX, shared_prefixes
 
 
 def datums(seed: int, count: int = 5, masked: float = 0.4) -> list[Datum]:

@@ -242,3 +242,21 @@ def test_cli_reports_an_incompatible_teacher_in_one_line(
     assert command.run(command) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("agent-gym train opd: error: the teacher's tokenizer differs")
+
+
+def test_a_teacher_checkpoint_is_named_as_init_from_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--teacher local:MODEL@CHECKPOINT`` takes a run directory as ``--init-from`` does; an
+    empty one is refused in one line naming the teacher."""
+    (tmp_path / "empty").mkdir()
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    command = parser.parse_args(["train", "opd", "--model", "tiny", "--lora-rank", "0",
+                                 "--teacher", f"local:tiny@{tmp_path / 'empty'}",
+                                 "--no-privileged", "--steps", "1",
+                                 "--out", str(tmp_path / "run"), "--no-progress"])
+    assert command.run(command) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"agent-gym train opd: error: --teacher local:tiny@{tmp_path / 'empty'}: an empty "
+        "directory, not a run or checkpoint")

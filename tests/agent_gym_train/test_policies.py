@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import PolicyInput, make_policy
-from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.eval.run import evaluate
 from agent_gym_train.backends import make_service
 from agent_gym_train.policies import SamplerPolicy
 
@@ -100,3 +101,50 @@ def test_a_prompt_past_the_models_context_ends_the_episode(tmp_path: Path) -> No
     record = json.loads((tmp_path / "over" / "episodes.jsonl").read_text().splitlines()[0])
     assert record["turns"] == 0 and record["reward"] == 0.0
     assert "context is" in record["context_error"]
+
+
+def test_a_checkpoint_is_named_as_init_from_names_it_and_a_bad_one_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``local:MODEL@CHECKPOINT`` takes what ``--init-from`` takes (a training run's
+    directory, its checkpoint.json, the backend path), resolved by the same code; an
+    unusable one is a ValueError that `agent-gym eval` prints as one line."""
+    import torch
+
+    from agent_gym.cli.main import main
+    from agent_gym_train.backends.local import LocalServiceClient
+    from agent_gym_train.runfiles import CHECKPOINT_FILE, Checkpoint
+
+    run = tmp_path / "run"
+    training = LocalServiceClient(checkpoint_dir=run / "checkpoints", threads=1) \
+        .create_lora_training_client("tiny", rank=2, seed=0)
+    for parameter in training.model.parameters():  # weights the base model does not have
+        if parameter.requires_grad:
+            parameter.data.add_(0.5)
+    path = training.save_state("step-000001").result().path
+    (run / CHECKPOINT_FILE).write_text(json.dumps(Checkpoint(1, path, {}).to_dict()))
+
+    def weights(spec: str) -> list[torch.Tensor]:
+        policy = make_policy(spec, max_tokens=4, threads=1)
+        return [p.detach().clone() for p in policy.client.model.parameters()]
+
+    trained = weights(f"local:tiny@{path}")
+    for spec in (run, run / CHECKPOINT_FILE):
+        assert all(torch.equal(a, b) for a, b in zip(
+            trained, weights(f"local:tiny@{spec}"), strict=True)), spec
+    assert not all(torch.equal(a, b) for a, b in zip(
+        trained, weights("local:tiny"), strict=True))
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=rf"^--policy local:tiny@{tmp_path / 'empty'}: an empty"):
+        make_policy(f"local:tiny@{tmp_path / 'empty'}", threads=1)
+    with pytest.raises(ValueError, match="holds weights for 'tiny', not 'smollm2'"):
+        make_policy(f"local:smollm2@{run}", threads=1)
+    missing = tmp_path / "no-such-run"
+    out = tmp_path / "eval"
+    assert main(["eval", GSM8K, "--policy", f"local:tiny@{missing}", "--episodes", "1",
+                 "--threads", "1", "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"agent-gym eval: error: --policy local:tiny@{missing}: {missing} is not a local "
+        "checkpoint (no meta.json)"], err

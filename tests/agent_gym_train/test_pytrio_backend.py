@@ -13,7 +13,8 @@ from pytrio import AdamParams, ModelInput, SamplingParams
 from pytrio.errors.base import ValidationError
 from pytrio.protocol.actor.events.event import EventType
 
-from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.eval.config import EvalConfig
+from agent_gym.eval.run import evaluate
 from agent_gym.render import ChatRenderer
 from agent_gym_train.backends import make_service
 from agent_gym_train.backends.local import LocalServiceClient

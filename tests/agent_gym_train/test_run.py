@@ -12,17 +12,16 @@ from pathlib import Path
 import gymnasium
 import pytest
 
+from agent_gym.seeding import derive_seed
+from agent_gym_train.args import RunArgs, parse_args
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.run import (
+from agent_gym_train.envpool import EnvPool
+from agent_gym_train.run import open_run
+from agent_gym_train.runfiles import (
     CHECKPOINT_FILE,
     METRICS_FILE,
     Checkpoint,
-    EnvPool,
-    RunArgs,
     RunConfigError,
-    derive_seed,
-    open_run,
-    parse_args,
     read_metrics,
 )
 from agent_gym_train.store import StateStore
@@ -262,7 +261,7 @@ def test_a_run_can_start_from_another_runs_weights_with_a_fresh_optimizer(
 
 def test_a_preset_fills_only_the_options_the_command_line_leaves_out() -> None:
     from agent_gym_train import grpo, opd, sft, tempo
-    from agent_gym_train.run import PRESETS, with_preset
+    from agent_gym_train.args import PRESETS, with_preset
 
     for name, module in (("sft", sft), ("grpo", grpo), ("opd", opd), ("tempo", tempo)):
         fields = {spec.name for spec in dataclasses.fields(module.Args)}

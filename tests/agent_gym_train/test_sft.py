@@ -14,8 +14,9 @@ import gymnasium
 import pytest
 import torch
 
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import make_policy
-from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.eval.run import evaluate
 from agent_gym.render import ChatRenderer
 from agent_gym_train.backends.local import LocalServiceClient
 from agent_gym_train.episode import IGNORE_TARGET, cross_entropy_datum

@@ -24,16 +24,18 @@ from agent_gym_train.store import StateStore
 from agent_gym_train.tempo import (
     Args,
     actor_update,
-    best_constant_error,
-    centred,
-    critic_fit,
-    critic_update,
     macro_returns,
     monte_carlo_targets,
     parse_args,
     prefix_weight,
-    replay,
     train,
+)
+from agent_gym_train.tempo_critic import (
+    best_constant_error,
+    centred,
+    critic_fit,
+    critic_update,
+    replay,
     value_corr,
     value_gap_zero_reward,
 )

@@ -15,8 +15,8 @@ import pytest
 
 from agent_gym.render import ChatRenderer
 from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.envpool import EnvPool
 from agent_gym_train.rollout import RolloutConfig, RolloutError, rollout_group
-from agent_gym_train.run import EnvPool
 from agent_gym_train.store import StateStore
 from agent_gym_train.tempo import Args, train
 from tests.helpers import tempo_toy

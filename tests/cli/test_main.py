@@ -122,6 +122,9 @@ def test_ray_without_a_cluster_says_how_to_start_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # "auto" finds a cluster through the address file in Ray's temp directory: this one is
+    # empty, so a Ray that another test worker started on this machine is not joined.
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     _fails_cleanly(["eval", GSM8K, "--episodes", "1", "--quiet", "--ray", "auto", "--out",
                     str(tmp_path / "run")], capsys, "ray start --head")
 
@@ -171,8 +174,9 @@ def test_eval_ends_an_episode_at_a_cut_reply_as_training_does(tmp_path: Path) ->
     """A reply stopped by the token budget is recorded as cut and never graded."""
     import asyncio
 
+    from agent_gym.eval.config import EvalConfig
     from agent_gym.eval.policies import PolicyInput, Reply
-    from agent_gym.eval.run import EvalConfig, evaluate
+    from agent_gym.eval.run import evaluate
 
     class CutOracle:
         name = "cut-oracle"
@@ -319,3 +323,39 @@ def test_eval_prints_invalid_shares_and_what_a_rerun_found(
     again = capsys.readouterr()
     assert f"agent-gym eval: found 3 episodes in {out}; the 2 asked for are all there" in again.err
     assert json.loads((out / "summary.json").read_text())["episodes"] == 3
+
+
+def test_eval_shows_replies_cut_by_max_tokens_in_its_table_and_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 33: with every reply cut by --max-tokens the table showed a plain 0.00."""
+    from tests.helpers.openai_server import Behaviour, ChatServer
+
+    with ChatServer(Behaviour(reply=lambda body: {"content": "Let me think step"},
+                              finish_reason="length")) as server:
+        assert main(["eval", GSM8K, "--policy", f"openai:m@{server.url}", "--quiet",
+                     "--max-tokens", "4", "--episodes", "2", "--out", str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr()
+    header, _, row = printed.out.splitlines()[:3]
+    # no reply reached the env, so no action was judged: invalid "-", cut 1.00
+    assert row[header.index("invalid"):].split()[:2] == ["-", "1.00"]
+    assert "most replies were cut by --max-tokens 4: raise it (2 of 2" in printed.err
+
+
+def test_env_kwargs_json_is_read_as_env_args_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One convention for env settings (``--env-arg KEY=VALUE``, every command); the
+    trainers' former ``--env-kwargs JSON`` is accepted and says how it was read."""
+    assert main(["eval", GSM8K, "--episodes", "1", "--quiet", "--env-kwargs",
+                 '{"max_turns": 2}', "--env-arg", "reward_correct=2", "--out",
+                 str(tmp_path / "run")]) == 0
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["env_kwargs"] == {"max_turns": 2, "reward_correct": 2}
+    assert "--env-kwargs is read as one --env-arg KEY=VALUE per key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", GSM8K, "--env-kwargs", "[1]", "--out", str(tmp_path / "bad")])
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "agent-gym eval: error: --env-kwargs: expected a JSON object, got '[1]' "
+        "(see `agent-gym eval --help`)"]
+    assert not (tmp_path / "bad").exists()

@@ -13,6 +13,7 @@ import pytest
 
 from agent_gym import BackendFailure, Opening, StateMismatchError, Task, TextEnv, Transition
 from agent_gym.env.hoststore import HostStore
+from agent_gym.env.prefixes import chain_key
 
 
 class TallyEnv(TextEnv):
@@ -129,7 +130,7 @@ def test_the_cache_is_bounded_least_recently_used_first_out() -> None:
     env = TallyEnv()
     env.snapshot_cache_size = 2
     states = played(env)
-    assert sorted(len(actions) for _, actions, _ in env._prefix_cache) == [4, 5]
+    assert sorted(len(actions) for _, actions, _ in env.prefixes.snapshots()) == [4, 5]
     assert env.reset(options={"state": states[4]})[1]["snapshot_depth"] == 4
     played(env, ["7"], task="hundred")  # evicts depth 5, the least recently used
     assert env.reset(options={"state": states[5]})[1]["snapshot_depth"] == 4
@@ -245,7 +246,7 @@ class StoredTally(TallyEnv):
 
     def __init__(self, store: str | None = None, data: str = "v1") -> None:
         super().__init__()
-        self._store = HostStore("tally_prefixes", store)
+        self.use_prefix_store(HostStore("tally_prefixes", store))
         self.data = data
         self.redone: list[list[int]] = []
         self.redo_works = True
@@ -322,11 +323,11 @@ def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> No
     damaged = StoredTally(str(tmp_path / "store.sqlite"))
     damaged.reset(options={"task_id": "zero"})
     damaged.step("3")
-    key = damaged._chain[-1]
-    entry = json.loads(zlib.decompress(damaged._store.get(_next_key(key, "x"))))
+    key = chain_key(damaged.prefixes.head, "x", None)
+    entry = json.loads(zlib.decompress(damaged.prefixes.store.get(key)))
     entry["transition"]["observation"] = "total 1000"
-    fresh._store.put(_next_key(key, "x"), zlib.compress(json.dumps(entry).encode()))
-    fresh._store.clear_memory()
+    fresh.prefixes.store.put(key, zlib.compress(json.dumps(entry).encode()))
+    fresh.prefixes.store.clear_memory()
     observation, info = fresh.reset(options={"state": state})
     assert observation == "total 15" and info["snapshot_source"] is None  # replayed
     assert fresh.steps == len(ACTIONS) and fresh.save_state() == state
@@ -335,7 +336,28 @@ def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> No
         options={"state": state})[1]["snapshot_source"] == "store"
 
 
-def _next_key(previous: str, action: str) -> str:
-    from agent_gym.env.base import _chain
 
-    return _chain(previous, action, None)
+def test_the_host_store_is_opt_in_and_clear_forgets_only_this_instances_snapshots(
+    tmp_path: Path,
+) -> None:
+    assert TallyEnv().prefixes.store is None  # an env keeps no record unless it opts in
+    path = str(tmp_path / "store.sqlite")
+    quiet = StoredTally(path)
+    quiet.use_prefix_store(None)  # opted out again: its prefixes are kept in no store
+    state = played(quiet)[-1]
+    assert quiet.prefixes.store is None and quiet.prefixes.head is None
+    assert StoredTally(path).reset(options={"state": state})[1]["snapshot_source"] is None
+    loud = StoredTally(path)  # opts in through use_prefix_store in its constructor
+    assert isinstance(loud.prefixes.store, HostStore)
+    played(loud)
+    assert loud.prefixes.head is not None
+    assert len(loud.prefixes.snapshots()) == len(ACTIONS)
+    loud.prefixes.clear()  # this instance's snapshots go; the host's records stay
+    assert loud.prefixes.snapshots() == []
+    loud.steps = 0
+    _, info = loud.reset(options={"state": state})
+    assert (info["snapshot_source"], info["snapshot_depth"]) == ("store", len(ACTIONS))
+    loud.use_prefix_store(None)
+    _, info = loud.reset(options={"state": state})
+    assert (info["snapshot_source"], info["snapshot_depth"]) == (None, 0)
+    assert loud.steps == len(ACTIONS) and loud.save_state() == state

@@ -295,7 +295,7 @@ def count_engine_steps(made: ALFWorldEnv, monkeypatch: pytest.MonkeyPatch) -> li
 
 def test_restore_in_the_same_env_jumps_to_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
     made = make()
-    made._store = None  # this instance's snapshots alone (the host store is tested below)
+    made.use_prefix_store(None)  # this instance's snapshots alone (the store is tested below)
     states = played(made)
     steps = count_engine_steps(made, monkeypatch)
     for state in reversed(states):
@@ -305,13 +305,13 @@ def test_restore_in_the_same_env_jumps_to_snapshots(monkeypatch: pytest.MonkeyPa
     assert steps == []  # no command was replayed
     deepest = states[-1]
     # Shallow snapshots evicted: the deepest one still carries the whole path.
-    for key in [k for k in made._prefix_cache if len(k[1]) < 3]:
-        del made._prefix_cache[key]
+    for key in [k for k in made.prefixes.snapshots() if len(k[1]) < 3]:
+        made.prefixes.forget(key)
     assert made.reset(options={"state": deepest})[1]["snapshot_depth"] == deepest.depth
     assert steps == [] and made.save_state() == deepest
     # Deeper snapshots evicted: jump as far as possible, replay the rest.
-    for key in [k for k in made._prefix_cache if len(k[1]) > 3]:
-        del made._prefix_cache[key]
+    for key in [k for k in made.prefixes.snapshots() if len(k[1]) > 3]:
+        made.prefixes.forget(key)
     observation, info = made.reset(options={"state": deepest})
     assert len(steps) == deepest.depth - 3 and made.save_state() == deepest
     assert info["snapshot_depth"] == 3
@@ -329,7 +329,7 @@ def test_snapshots_of_an_unloaded_game_are_not_used() -> None:
     # This instance's snapshot died with the game; the host's record of the prefix did not.
     assert (info["snapshot_depth"], info["snapshot_source"]) == (1, "store")
     assert whole.save_state() == state
-    whole._store = None
+    whole.use_prefix_store(None)
     whole.reset(options={"index": 1})
     info = whole.reset(options={"state": state})[1]
     assert info["snapshot_depth"] == 0 and whole.save_state() == state

@@ -9,16 +9,12 @@ from pathlib import Path
 import pytest
 
 from agent_gym.cli.main import main
+from agent_gym.eval.config import EvalConfig, episode_seed
 from agent_gym.eval.policies import PolicyInput, Reply
-from agent_gym.eval.run import (
-    EvalConfig,
-    RunMismatchError,
-    episode_seed,
-    evaluate,
-    pass_at_k,
-    summarize,
-    wilson_interval,
-)
+from agent_gym.eval.run import evaluate
+from agent_gym.eval.runlog import RunMismatchError
+from agent_gym.eval.stats import pass_at_k, wilson_interval
+from agent_gym.eval.summary import summarize
 from tests.helpers.eval_runs import GSM8K, read_episodes
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import (
     OpenAIChatPolicy,
     OraclePolicy,
@@ -19,7 +20,9 @@ from agent_gym.eval.policies import (
     _tool_calls_as_text,
     make_policy,
 )
-from agent_gym.eval.run import EvalConfig, RunLog, RunMismatchError, evaluate, wilson_interval
+from agent_gym.eval.run import evaluate
+from agent_gym.eval.runlog import RunLog, RunMismatchError
+from agent_gym.eval.stats import wilson_interval
 from tests.helpers.eval_runs import GSM8K, read_episodes
 from tests.helpers.openai_server import Behaviour, ChatServer
 
@@ -212,7 +215,8 @@ def test_a_kill_while_config_json_is_rewritten_keeps_the_run_resumable(tmp_path:
         [sys.executable, "-c", (
             "import resource, signal, sys\n"
             "from pathlib import Path\n"
-            "from agent_gym.eval.run import EvalConfig, RunLog\n"
+            "from agent_gym.eval.config import EvalConfig\n"
+            "from agent_gym.eval.runlog import RunLog\n"
             "config = EvalConfig('agent_gym/GSM8K-v0', 'oracle', episodes=3, seed=4)\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_DFL)\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))\n"
@@ -256,7 +260,7 @@ def test_after_a_failed_commit_no_line_is_acknowledged(
         raise OSError(28, "No space left on device")
 
     async def write_two() -> list[BaseException | None]:
-        monkeypatch.setattr("agent_gym.eval.run.os.fsync", disk_full)
+        monkeypatch.setattr("agent_gym.eval.runlog.os.fsync", disk_full)
         first = await asyncio.gather(log.write({"episode": 0}), return_exceptions=True)
         monkeypatch.undo()
         second = await asyncio.gather(log.write({"episode": 1}), return_exceptions=True)
@@ -313,7 +317,7 @@ def test_the_table_shows_invalid_actions_and_cut_replies_and_notes_when_they_dom
     from typing import Any
 
     from agent_gym.eval.policies import Reply
-    from agent_gym.eval.run import Summary, format_table
+    from agent_gym.eval.summary import Summary, format_table
 
     class Unboxed:  # GSM8K refuses a reply without a boxed answer
         name = "unboxed"

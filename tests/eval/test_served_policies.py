@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from agent_gym.cli.main import main
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import (
     ERROR_TEXT_LIMIT,
     ContextLengthError,
@@ -24,7 +25,7 @@ from agent_gym.eval.policies import (
     make_policy,
     says_context_length,
 )
-from agent_gym.eval.run import EvalConfig, evaluate
+from agent_gym.eval.run import evaluate
 from tests.helpers.openai_server import (
     CONTEXT_ERRORS,
     NULL_CONTENT_ERRORS,

@@ -9,8 +9,10 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import OraclePolicy, PolicyInput, Reply
-from agent_gym.eval.run import EvalConfig, Summary, evaluate
+from agent_gym.eval.run import evaluate
+from agent_gym.eval.summary import Summary
 
 GSM8K = "agent_gym/GSM8K-v0"
 

@@ -81,6 +81,7 @@ class Behaviour:
     context_limit: int | None = None
     context_style: str = "llama.cpp"
     null_style: str = "llama-cpp-python"  # whose answer to null content (NULL_CONTENT_ERRORS)
+    finish_reason: str | None = None  # e.g. "length": every reply was cut by max_tokens
     # The chats the model saw (what a llama_cpp server kept of each request).
     seen: list[list[dict[str, Any]]] = field(default_factory=list)
 
@@ -154,7 +155,8 @@ class ChatServer:
                 message = {"role": "assistant", **behaviour.reply(seen)}
                 if "tools" not in seen:  # a model that was shown no tools calls none
                     message.pop("tool_calls", None)
-                finish = "tool_calls" if message.get("tool_calls") else "stop"
+                finish = behaviour.finish_reason or (
+                    "tool_calls" if message.get("tool_calls") else "stop")
                 payload = {
                     "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                     "usage": {"prompt_tokens": tokens, "completion_tokens": 7},

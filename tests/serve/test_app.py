@@ -297,8 +297,8 @@ def test_short_in_process_steps_run_on_the_event_loop_and_others_in_threads(
 ) -> None:
     """Search-v0 (a local index) steps on the loop once its steps have proved short; GSM8K-v0
     (its grader waits on a helper process) and a slow step always go to the thread pool."""
-    from agent_gym.serve import app as server
-    from agent_gym.serve.app import INLINE_AFTER, ServerConfig, SessionPool
+    from agent_gym.serve import sessions as server
+    from agent_gym.serve.sessions import INLINE_AFTER, ServerConfig, SessionPool
 
     # A budget no real step here comes near on a loaded machine, and one step made slower.
     monkeypatch.setattr(server, "INLINE_STEP_BUDGET_S", 0.5)

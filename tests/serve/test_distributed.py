@@ -10,8 +10,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from agent_gym.eval.policies import OraclePolicy  # noqa: E402
-from agent_gym.eval.run import EvalConfig, evaluate  # noqa: E402
+from agent_gym.eval.config import EvalConfig  # noqa: E402
+from agent_gym.eval.policies import OraclePolicy, make_policy  # noqa: E402
+from agent_gym.eval.run import evaluate  # noqa: E402
 from agent_gym.serve.distributed import RayVectorEnv, RemoteEnv  # noqa: E402
 
 GSM8K = "agent_gym/GSM8K-v0"
@@ -142,3 +143,27 @@ def test_grpo_creates_its_env_actors_once_per_run(
     assert len(remote_resets) == 3 * 4  # every branch (2 tasks x 2) of every step in an actor
     assert len(created) == 4  # one actor per concurrent branch, for the whole run
     assert sorted(map(id, closed)) == sorted(map(id, created))  # and all end with the run
+
+
+def test_a_ray_actor_imports_the_plugins_that_register_a_third_party_env() -> None:
+    """``agent-gym eval --ray --import MODULE``: the env is registered by the caller's module,
+    which the actor's process never imported on its own."""
+    env = RemoteEnv("agent_gym_tests/SayDigit-v0", {}, plugins=["tests.helpers.grpo_toy"])
+    try:
+        observation, _ = env.reset(seed=0)
+        assert env.step(observation)[1] == 1.0
+    finally:
+        env.close()
+
+
+def test_random_through_ray_phrases_its_actions_in_the_envs_protocol(tmp_path: Path) -> None:
+    """The actor's env protocol travels to the caller, as a local env's is read: random on
+    ALFWorld's tool protocol plays valid calls, not refused bare commands."""
+    pytest.importorskip("textworld")
+    config = EvalConfig("agent_gym/ALFWorld-v0", "random", episodes=1,
+                        env_kwargs={"max_turns": 3})
+    asyncio.run(evaluate(config, make_policy("random"), tmp_path / "run", progress=False,
+                         make_env=lambda: RemoteEnv(config.env_id, config.env_kwargs)))
+    (record,) = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl")
+                 .read_text().splitlines()]
+    assert record["turns"] == 3 and record["invalid_actions"] == 0

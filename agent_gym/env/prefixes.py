@@ -1,0 +1,202 @@
+"""The prefixes an env has played, behind its fast restores: ``PrefixIndex``.
+
+In this instance: an env whose engine can snapshot itself cheaply implements ``_snapshot``
+and ``_restore_snapshot``. The index then keeps, per task and action prefix the instance has
+played, the engine snapshot and the transitions on the way (least recently used first out,
+at most ``TextEnv.snapshot_cache_size``). A restore jumps to the deepest cached prefix of
+the state's actions and replays only the rest; the cached transitions go through the same
+bookkeeping and digest check as replayed ones, so a state whose observations differ still
+fails at the step that differs. The restore's info says how many steps were skipped
+(``snapshot_depth``) out of ``restored_depth``.
+
+In a fresh instance or process: an env that can also describe what each step did to its
+engine in a form any instance can redo (``_move``, JSON), redo such moves from a task's
+start (``_redo``) and name the content of its tasks (``_fingerprint``) opts in with
+``TextEnv.use_prefix_store(store)``, a ``HostStore``. The store then records, for every
+prefix it plays, keyed by a digest chained over the env, its episode settings, the task's
+content, this code (``code_fingerprint``) and each action with its fault (``chain_key``),
+the transition ``_step`` returned and the move. A restore redoes the moves of the longest
+recorded prefix of the state's actions (milliseconds, no text is generated) and takes those
+steps' transitions from the record, again through the same bookkeeping and digest check:
+the state only selects records, which the host alone writes from what it computed, so it
+can never make the env believe an observation it did not produce. Should a record ever
+disagree with a state's digest the restore is done again by real replay, which decides: a
+tampered state still fails at the step that differs, and a stale record is overwritten.
+``info["snapshot_source"]`` says where the skipped steps came from ("instance", "store" or
+None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agent_gym.env.hoststore import HostStore, code_fingerprint
+from agent_gym.env.state import EnvState
+from agent_gym.env.types import Transition
+
+# (task id, the actions so far, the backend failures among them)
+PrefixKey = tuple[str, tuple[str, ...], tuple[tuple[int, str], ...]]
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """A point this env reached: its engine snapshot there and every transition on the way
+    from the task's start, as ``_step`` returned them (the base's rules are applied again
+    when they are replayed, so they are applied exactly once)."""
+
+    snapshot: object
+    transitions: tuple[Transition, ...]
+
+
+class _StoreDisagrees(Exception):
+    """A transition from the host store did not match the state being restored."""
+
+
+def chain_key(previous: str, action: str, fault: str | None) -> str:
+    """The host-store key of a prefix one action longer than the one keyed ``previous``."""
+    link = json.dumps([previous, action, fault], ensure_ascii=False)
+    return hashlib.sha256(link.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class PrefixIndex:
+    """The prefixes one env instance knows: its snapshots, and the host store if any."""
+
+    def __init__(self, store: HostStore | None = None) -> None:
+        self._snapshots: OrderedDict[PrefixKey, _Prefix] = OrderedDict()
+        self._store = store
+        self._chain: list[str] = []  # the store keys of this episode's prefixes
+
+    # ----------------------------------------------------------------- public
+    @property
+    def store(self) -> HostStore | None:
+        """The host store the prefixes are recorded in, or None."""
+        return self._store
+
+    def use_store(self, store: HostStore | None) -> None:
+        """Record the prefixes played from the next episode on in ``store`` (a ``HostStore``
+        shared by the host's processes), and restore from its records; None stops both.
+        Only an env that implements ``_fingerprint``, ``_move`` and ``_redo`` gains."""
+        self._store = store
+
+    def clear(self) -> None:
+        """Forget this instance's snapshots (the host store keeps its records)."""
+        self._snapshots.clear()
+
+    def snapshots(self) -> list[PrefixKey]:
+        """The prefixes this instance holds snapshots of, least recently used first."""
+        return list(self._snapshots)
+
+    def forget(self, key: PrefixKey) -> None:
+        """Drop the snapshot of one prefix, if held."""
+        self._snapshots.pop(key, None)
+
+    @property
+    def head(self) -> str | None:
+        """The host-store key of the current episode's prefix, None when none is kept."""
+        return self._chain[-1] if self._chain else None
+
+    # ----------------------------------------------------------------- for TextEnv
+    def begin(self, root: Callable[[], Sequence[Any] | None]) -> None:
+        """Start an episode's chain; ``root`` names its start (None: keep no record) and is
+        only asked when there is a store."""
+        self._chain = []
+        parts = root() if self._store is not None else None
+        if parts is None:
+            return
+        start = json.dumps(["agent_gym prefix", code_fingerprint(), *parts], sort_keys=True,
+                           ensure_ascii=False)
+        self._chain = [hashlib.sha256(start.encode("utf-8", "surrogatepass")).hexdigest()]
+
+    def advance(self, action: str, fault: str | None) -> None:
+        if self._chain:
+            self._chain.append(chain_key(self._chain[-1], action, fault))
+
+    def record(self, transition: Transition, move: Callable[[], Any]) -> None:
+        """Record the step that led to the current prefix in the host store, if any, with
+        ``move()`` (None or a value that is not JSON: the step is not kept)."""
+        if self._store is None or not self._chain:
+            return
+        done = move()
+        if done is None:
+            return
+        try:
+            text = json.dumps({"transition": _transition_json(transition), "move": done},
+                              ensure_ascii=False)
+        except (TypeError, ValueError):  # an info that is not JSON: this step is not kept
+            return
+        self._store.put(self._chain[-1], zlib.compress(text.encode("utf-8", "surrogatepass"), 1))
+
+    def remember(
+        self, key: PrefixKey, snapshot: object, path: tuple[Transition, ...], size: int
+    ) -> None:
+        """Keep the engine's snapshot after ``key`` and the path there, at most ``size``."""
+        self._snapshots[key] = _Prefix(snapshot, path)
+        self._snapshots.move_to_end(key)
+        while len(self._snapshots) > size:
+            self._snapshots.popitem(last=False)
+
+    def jump(
+        self, state: EnvState, restore: Callable[[object], bool],
+        redo: Callable[[list[Any]], bool], use_store: bool,
+    ) -> tuple[tuple[Transition, ...], str | None, tuple[tuple[int, str], ...]]:
+        """Put the engine after the longest known prefix of the state's actions -- a
+        snapshot of this instance (``restore``), or the moves the host store recorded
+        (``redo``) when it knows a deeper one -- and return the transitions on the way
+        there, where they came from and the faults among them; ((), None, ()) when
+        neither knows any."""
+        recorded = self._recorded(state) if use_store else []
+        for depth in range(len(state.actions), 0, -1):
+            faults = tuple(fault for fault in state.faults if fault[0] <= depth)
+            # At equal depth a snapshot of this instance wins: it restores everything the
+            # engine had built there, where redone moves leave it to be built again.
+            key = (state.task_id, state.actions[:depth], faults)
+            prefix = self._snapshots.get(key)
+            if prefix is not None:
+                if restore(prefix.snapshot):
+                    self._snapshots.move_to_end(key)
+                    return prefix.transitions, "instance", faults
+                del self._snapshots[key]  # stale: a shallower one may still be good
+            if depth <= len(recorded):
+                if redo([move for _, move in recorded[:depth]]):
+                    return tuple(transition for transition, _ in recorded[:depth]), "store", faults
+                recorded = []  # the engine cannot redo them: only snapshots are left
+        return (), None, ()
+
+    def _recorded(self, state: EnvState) -> list[tuple[Transition, Any]]:
+        """The transitions and moves the host store holds for the state's first steps,
+        as far as it holds every one of them."""
+        if self._store is None or not self._chain or not state.actions:
+            return []
+        faults = dict(state.faults)
+        keys = [self._chain[0]]
+        for step, action in enumerate(state.actions, start=1):
+            keys.append(chain_key(keys[-1], action, faults.get(step)))
+        found = self._store.get_many(keys[1:])
+        recorded = []
+        for key in keys[1:]:
+            if key not in found:
+                break
+            try:
+                entry = json.loads(zlib.decompress(found[key]).decode("utf-8", "surrogatepass"))
+                recorded.append((_transition_from_json(entry["transition"]), entry["move"]))
+            except (ValueError, KeyError, TypeError, zlib.error):  # damaged: stop there
+                break
+        return recorded
+
+
+def _transition_json(transition: Transition) -> dict[str, Any]:
+    return {"observation": transition.observation, "reward": float(transition.reward),
+            "terminated": transition.terminated, "invalid": transition.invalid,
+            "role": transition.role, "info": transition.info}
+
+
+def _transition_from_json(data: Mapping[str, Any]) -> Transition:
+    return Transition(str(data["observation"]), float(data["reward"]),
+                      bool(data["terminated"]), bool(data["invalid"]), str(data["role"]),
+                      dict(data["info"]))

@@ -1,0 +1,302 @@
+"""The session table of ``agent-gym serve``: one env per client session, at most
+``max_sessions`` of them, idle ones reaped; a session's reset, step and state calls.
+
+Trust: every env is built from the server's own ``env_id`` and ``--env-arg`` settings; a
+client's state is accepted only if it was saved from an env with those settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import gymnasium
+
+import agent_gym  # noqa: F401  (importing it registers the envs)
+from agent_gym.env.base import TextEnv, _json_kwargs
+from agent_gym.env.state import EnvState, StateError
+from agent_gym.serve.wire import (
+    CAPACITY_REACHED,
+    EXECUTION_ERROR,
+    FACTORY_ERROR,
+    SESSION_ERROR,
+    STATE_REFUSED,
+    VALIDATION_ERROR,
+    ProtocolError,
+    action_text,
+    observation_payload,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SESSIONS = 64
+DEFAULT_IDLE_TIMEOUT_S = 600.0
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+MAX_REAPED_IDS = 10_000
+# A step of an env whose steps are computation only (``TextEnv.steps_in_process``) runs on
+# the event loop, skipping the two thread hand-offs that cost more than such a step (0.25 ms
+# of the 1 ms p50 a Search-v0 step took through the server on a loaded 2-core machine) --
+# once that session's last INLINE_AFTER steps each took under INLINE_STEP_BUDGET_S. A pure-
+# Python step in a worker thread holds the GIL, and so the loop, just as long, so a short one
+# holds no other session up longer there; a slower step sends the session back to the pool.
+INLINE_STEP_BUDGET_S = 0.001
+INLINE_AFTER = 3
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server hosts and its limits. ``env_kwargs`` are the server's own settings:
+    every session's env is built from them, whatever a client sends."""
+
+    env_id: str
+    env_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be at least 1024")
+        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be positive (or None for no reaping)")
+
+
+@dataclass
+class Session:
+    """One client's env. Its lock keeps that env's calls in order (HTTP requests for one
+    session may arrive concurrently); different sessions step in parallel threads, except
+    short steps of in-process envs, which run on the event loop (INLINE_STEP_BUDGET_S)."""
+
+    session_id: str
+    env: gymnasium.Env
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_active: float = field(default_factory=time.monotonic)
+    episode_id: str | None = None
+    step_count: int = 0
+    closed: bool = False
+    # Consecutive steps under INLINE_STEP_BUDGET_S; counted only for envs whose steps run
+    # in process, so it says whether the next step may run on the event loop.
+    fast_steps: int = 0
+    # A WebSocket session's way to tell its client, when the reaper closes it, and hang up.
+    on_reaped: Callable[[], Awaitable[None]] | None = None
+
+
+class SessionPool:
+    """At most ``max_sessions`` live envs; idle ones are closed by a reaper task."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.sessions: dict[str, Session] = {}
+        # Ids of reaped sessions, so a late client is told why its session is gone;
+        # bounded, oldest forgotten first.
+        self.reaped: OrderedDict[str, None] = OrderedDict()
+        self._reserved = 0
+        # One thread per possible session: a slow env (a sandboxed cell, an ALFWorld
+        # planner) must not hold up the others.
+        self.executor = ThreadPoolExecutor(
+            max_workers=min(config.max_sessions, 256), thread_name_prefix="agent-gym-env"
+        )
+        self._own_kwargs: dict[str, Any] | None = None
+        self.tools: list[dict[str, Any]] | None = None
+
+    async def run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, lambda: func(*args, **kwargs))
+
+    async def open(self) -> Session:
+        if len(self.sessions) + self._reserved >= self.config.max_sessions:
+            raise ProtocolError(
+                CAPACITY_REACHED,
+                f"the server holds its maximum of {self.config.max_sessions} sessions; close "
+                "one or start the server with a larger --max-sessions",
+                status=503,
+                active_sessions=len(self.sessions),
+                max_sessions=self.config.max_sessions,
+            )
+        self._reserved += 1
+        try:
+            # No passive env checker: it is a development aid, and a refused first reset
+            # (a bad task index) would leave it unable to check the next one.
+            env = await self.run(gymnasium.make, self.config.env_id, disable_env_checker=True,
+                                 **self.config.env_kwargs)
+        except Exception as exc:
+            log.exception("building %s failed", self.config.env_id)
+            raise ProtocolError(
+                FACTORY_ERROR, f"could not build {self.config.env_id}: {exc}", status=500,
+                factory_name=self.config.env_id,
+            ) from exc
+        finally:
+            self._reserved -= 1
+        if not isinstance(env.unwrapped, TextEnv):
+            env.close()
+            raise ProtocolError(FACTORY_ERROR, f"{self.config.env_id} is not an agent_gym env",
+                                status=500, factory_name=self.config.env_id)
+        if self._own_kwargs is None:
+            self._own_kwargs = _json_kwargs(self.config.env_id, env.unwrapped._env_kwargs)
+        session = Session(secrets.token_hex(16), env)
+        self.sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: Any) -> Session:
+        if not isinstance(session_id, str) or not session_id:
+            raise ProtocolError(VALIDATION_ERROR, "give the 'session_id' that /reset returned "
+                                "(in observation.session_id)")
+        session = self.sessions.get(session_id)
+        if session is None:
+            why = "was closed after being idle too long" if session_id in self.reaped else \
+                "is unknown (never opened, or already closed)"
+            raise ProtocolError(SESSION_ERROR, f"session {session_id!r} {why}", status=404)
+        return session
+
+    async def close(self, session: Session) -> None:
+        if self.sessions.pop(session.session_id, None) is None:
+            return
+        session.closed = True
+        async with session.lock:
+            with contextlib.suppress(Exception):
+                await self.run(session.env.close)
+
+    async def reap_forever(self) -> None:
+        timeout = self.config.idle_timeout_s
+        if timeout is None:
+            return
+        while True:
+            await asyncio.sleep(min(max(timeout / 4, 0.05), 30.0))
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.last_active > timeout and not session.lock.locked():
+                    self.reaped[session.session_id] = None
+                    while len(self.reaped) > MAX_REAPED_IDS:
+                        self.reaped.popitem(last=False)
+                    await self.close(session)
+                    if session.on_reaped is not None:
+                        with contextlib.suppress(Exception):  # the client may be gone too
+                            await session.on_reaped()
+
+    async def shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            await self.close(session)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # ----------------------------------------------------------------- episode calls
+    async def reset(self, session: Session, data: Mapping[str, Any]) -> dict[str, Any]:
+        seed, options, episode_id = self._reset_arguments(data)
+        async with session.lock:
+            self._check_open(session)
+            try:
+                observation, info = await self.run(session.env.reset, seed=seed, options=options)
+            except StateError as exc:
+                raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
+            except (KeyError, IndexError, ValueError, TypeError) as exc:
+                raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
+            session.episode_id = episode_id
+            session.step_count = int(info.get("turn", 0))
+            session.last_active = time.monotonic()
+        return observation_payload(observation, info, reward=None, terminated=False,
+                                   truncated=False)
+
+    async def step(self, session: Session, action: Any) -> dict[str, Any]:
+        text = action_text(action)
+        async with session.lock:
+            self._check_open(session)
+            try:
+                if session.fast_steps >= INLINE_AFTER:
+                    outcome, took = timed_step(session.env, text)
+                else:
+                    outcome, took = await self.run(timed_step, session.env, text)
+            except RuntimeError as exc:  # stepping before reset or after the end
+                raise ProtocolError(EXECUTION_ERROR, str(exc)) from exc
+            observation, reward, terminated, truncated, info = outcome
+            in_process = session.env.unwrapped.steps_in_process
+            fast = in_process and took < INLINE_STEP_BUDGET_S
+            session.fast_steps = session.fast_steps + 1 if fast else 0
+            session.step_count += 1
+            session.last_active = time.monotonic()
+        return observation_payload(observation, info, reward=reward, terminated=terminated,
+                                   truncated=truncated)
+
+    async def state(self, session: Session) -> dict[str, Any]:
+        async with session.lock:
+            self._check_open(session)
+            session.last_active = time.monotonic()
+            try:
+                env_state = await self.run(session.env.unwrapped.save_state)
+            except RuntimeError:  # not reset yet: no episode to save
+                env_state = None
+        return {
+            "episode_id": session.episode_id,
+            "step_count": session.step_count,
+            "env_state": None if env_state is None else json.loads(env_state.to_json()),
+            # What a client needs to plan episodes (eval's task order, a trainer's turns).
+            "num_tasks": session.env.unwrapped.num_tasks,
+            "max_turns": session.env.unwrapped.max_turns,
+        }
+
+    def _check_open(self, session: Session) -> None:
+        if session.closed:
+            raise ProtocolError(SESSION_ERROR, f"session {session.session_id!r} was closed "
+                                "after being idle too long", status=404)
+
+    def _reset_arguments(
+        self, data: Mapping[str, Any]
+    ) -> tuple[int | None, dict[str, Any], str | None]:
+        if not isinstance(data, Mapping):
+            raise ProtocolError(VALIDATION_ERROR, "reset data must be a JSON object")
+        unknown = set(data) - {"seed", "episode_id", "state", "task_id", "index"}
+        if unknown:
+            raise ProtocolError(VALIDATION_ERROR, f"unknown reset fields {sorted(unknown)}; "
+                                "use seed, episode_id, task_id, index or state")
+        seed = data.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ProtocolError(VALIDATION_ERROR, "seed must be a non-negative integer")
+        episode_id = data.get("episode_id")
+        if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
+            raise ProtocolError(VALIDATION_ERROR, "episode_id must be a string of at most 255 "
+                                "characters")
+        options = {key: data[key] for key in ("task_id", "index") if key in data}
+        if "state" in data:
+            if options or seed is not None:
+                raise ProtocolError(VALIDATION_ERROR, "'state' cannot be combined with seed, "
+                                    "task_id or index: the state names its task and seed")
+            options["state"] = self._trusted_state(data["state"])
+        return seed, options, episode_id
+
+    def _trusted_state(self, raw: Any) -> EnvState:
+        """Parse a client's state and accept it only for this server's env and settings."""
+        try:
+            state = EnvState.from_json(raw) if isinstance(raw, str) else EnvState.from_dict(raw)
+        except StateError as exc:
+            raise ProtocolError(STATE_REFUSED, f"bad state: {exc}") from exc
+        if state.env_id != self.config.env_id:
+            raise ProtocolError(STATE_REFUSED, f"the state belongs to {state.env_id!r}; this "
+                                f"server hosts {self.config.env_id!r}")
+        if state.env_kwargs != self._own_kwargs:
+            raise ProtocolError(
+                STATE_REFUSED,
+                f"the state was saved from {state.env_id} built with {state.env_kwargs}; this "
+                f"server builds it with {self._own_kwargs} (its own --env-arg settings) and "
+                "never takes env settings from a client",
+            )
+        return state
+
+
+def timed_step(
+    env: gymnasium.Env, text: str
+) -> tuple[tuple[str, float, bool, bool, dict[str, Any]], float]:
+    """``env.step(text)`` and the seconds it took, timed where it ran."""
+    started = time.perf_counter()
+    outcome = env.step(text)
+    return outcome, time.perf_counter() - started

@@ -1,0 +1,131 @@
+"""The wire format of ``agent-gym serve`` (OpenEnv's): error codes, request and response
+schemas, and the MCP ``tools/list`` entries and JSON-RPC errors (see ``agent_gym.serve.app``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+OPENENV_VERSION_MATCHED = "openenv 0.4.1"
+
+# OpenEnv's WSErrorCode values, plus two of ours for restore and authentication.
+INVALID_JSON = "INVALID_JSON"
+UNKNOWN_TYPE = "UNKNOWN_TYPE"
+VALIDATION_ERROR = "VALIDATION_ERROR"
+EXECUTION_ERROR = "EXECUTION_ERROR"
+CAPACITY_REACHED = "CAPACITY_REACHED"
+FACTORY_ERROR = "FACTORY_ERROR"
+SESSION_ERROR = "SESSION_ERROR"
+REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
+STATE_REFUSED = "STATE_REFUSED"
+UNAUTHORIZED = "UNAUTHORIZED"
+
+ACTION_SCHEMA: dict[str, Any] = {
+    "title": "AgentGymAction",
+    "description": "The assistant's raw reply; tool calls are written in it as the env's "
+    "prompt asks.",
+    "type": "object",
+    "properties": {
+        "text": {"type": "string", "description": "the assistant's message"},
+        "metadata": {"type": "object", "description": "ignored by the env"},
+    },
+    "required": ["text"],
+    "additionalProperties": False,
+}
+OBSERVATION_SCHEMA: dict[str, Any] = {
+    "title": "AgentGymObservation",
+    "type": "object",
+    "properties": {
+        "text": {"type": "string", "description": "the env's observation"},
+        "info": {"type": "object", "description": "the Gymnasium info dict (messages, tools, "
+                 "privileged, message, invalid, turn, ...)"},
+        "terminated": {"type": "boolean"},
+        "truncated": {"type": "boolean"},
+        "session_id": {"type": "string", "description": "HTTP sessions only"},
+    },
+    "required": ["text", "info", "terminated", "truncated"],
+}
+STATE_SCHEMA: dict[str, Any] = {
+    "title": "AgentGymState",
+    "type": "object",
+    "properties": {
+        "episode_id": {"type": ["string", "null"]},
+        "step_count": {"type": "integer", "minimum": 0},
+        "env_state": {"type": ["object", "null"], "description": "agent_gym EnvState: pass "
+                      "it as reset's 'state' to restore this point of the episode"},
+        "num_tasks": {"type": "integer", "minimum": 1, "description": "tasks the env holds"},
+        "max_turns": {"type": "integer", "minimum": 1, "description": "replies an episode "
+                      "may take"},
+    },
+}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; ``code`` is the wire error code."""
+
+    def __init__(self, code: str, message: str, status: int = 400, **extra: Any) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+        self.extra = extra
+
+    def payload(self) -> dict[str, Any]:
+        return {"message": str(self), "code": self.code, **self.extra}
+
+
+def action_text(action: Any) -> str:
+    """The assistant text of an action object: ``{"text": "...", "metadata"?: {...}}``."""
+    if not isinstance(action, Mapping):
+        raise ProtocolError(VALIDATION_ERROR, "the action must be an object {\"text\": \"...\"}")
+    extra = set(action) - {"text", "metadata"}
+    if extra:
+        raise ProtocolError(VALIDATION_ERROR, f"unknown action fields {sorted(extra)}; the "
+                            "action is {\"text\": \"<assistant message>\"}")
+    text = action.get("text")
+    if not isinstance(text, str):
+        raise ProtocolError(VALIDATION_ERROR, "action field 'text' must be a string")
+    return text
+
+
+def observation_payload(
+    observation: str, info: Mapping[str, Any], *, reward: float | None, terminated: bool,
+    truncated: bool,
+) -> dict[str, Any]:
+    """OpenEnv's ``{observation, reward, done}``; the observation keeps the Gymnasium
+    split of ``done`` into ``terminated`` and ``truncated``, which trainers need."""
+    return {
+        "observation": {
+            "text": observation,
+            "info": dict(info),
+            "terminated": bool(terminated),
+            "truncated": bool(truncated),
+        },
+        "reward": None if reward is None else float(reward),
+        "done": bool(terminated or truncated),
+    }
+
+
+def dumps(value: Any) -> str:
+    """``value`` as JSON text in one pass: numpy scalars become numbers, sets and tuples
+    lists, anything else unknown its string (an env's info may hold any of them)."""
+    return json.dumps(value, default=_convert, ensure_ascii=False)
+
+
+def _convert(item: Any) -> Any:
+    if hasattr(item, "item") and callable(item.item):
+        return item.item()
+    if isinstance(item, set | frozenset | tuple):
+        return list(item)
+    return str(item)
+
+
+def mcp_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An env's tools (OpenAI function schemas) as MCP's ``tools/list`` entries."""
+    return [{"name": t["function"]["name"], "description": t["function"]["description"],
+             "inputSchema": t["function"]["parameters"]} for t in tools]
+
+
+def rpc_error(request_id: Any, code: int, message: str) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
