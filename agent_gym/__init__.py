@@ -142,9 +142,19 @@ def make_from_state(
     spec = gymnasium.spec(state.env_id)
     entry = spec.entry_point
     env_class = load_env_creator(entry) if isinstance(entry, str) else entry
-    host = getattr(env_class, "host_settings", frozenset())
+    # Only an env that saves states restores one, and only its own class knows which of its
+    # settings are the host's: anything else (the Remote-v0 client, whose url and token a
+    # state must never choose; an env of another suite) is refused before it is built.
+    if not (isinstance(env_class, type) and issubclass(env_class, TextEnv)):
+        raise StateError(f"the state names {state.env_id!r}, which is not an env that saves "
+                         "and restores states (an agent_gym TextEnv); to continue a served "
+                         "episode, restore the server's own state there or locally")
+    host = env_class.host_settings
     kwargs = {k: v for k, v in state.env_kwargs.items() if k not in host}
-    env = gymnasium.make(state.env_id, **{**kwargs, **host_kwargs})
+    try:
+        env = gymnasium.make(state.env_id, **{**kwargs, **host_kwargs})
+    except (TypeError, ValueError) as err:  # the state's settings are data, checked here
+        raise StateError(f"{state.env_id} refuses the state's settings: {err}") from err
     used = _json_kwargs(state.env_id, env.unwrapped._env_kwargs)
     ignored = {k: v for k, v in state.env_kwargs.items() if k in host and used.get(k) != v}
     try:

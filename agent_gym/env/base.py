@@ -23,6 +23,7 @@ import copy
 import functools
 import inspect
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -31,6 +32,7 @@ from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 import gymnasium
 import numpy as np
 
+from agent_gym import untrusted
 from agent_gym.actions.tools import sanitize_tool_output
 from agent_gym.env.hoststore import HostStore
 from agent_gym.env.prefixes import PrefixIndex, _StoreDisagrees
@@ -118,8 +120,10 @@ class TextEnv(gymnasium.Env[str, str]):
     ) -> None:
         if not tasks:
             raise ValueError(f"{type(self).__name__} was given no tasks")
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be at least 1, got {max_turns}")
+        _require_finite(type(self).__name__, self.__dict__.get("_env_kwargs", {}))
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int | np.integer) \
+                or max_turns < 1:
+            raise ValueError(f"max_turns must be a whole number of at least 1, got {max_turns!r}")
         if not 100 <= max_obs_chars <= MAX_OBSERVATION_CHARS:
             raise ValueError(f"max_obs_chars must be between 100 and {MAX_OBSERVATION_CHARS}, "
                              f"got {max_obs_chars}")
@@ -129,8 +133,8 @@ class TextEnv(gymnasium.Env[str, str]):
         self._task_index = {task.task_id: i for i, task in enumerate(self.tasks)}
         if len(self._task_index) != len(self.tasks):
             raise ValueError("task ids must be unique")
-        self.max_turns = max_turns
-        self.invalid_penalty = invalid_penalty
+        self.max_turns = int(max_turns)
+        self.invalid_penalty = untrusted.finite(invalid_penalty, "invalid_penalty")
         self.max_action_chars = max_action_chars
         self.max_obs_chars = max_obs_chars
         self.render_mode = render_mode
@@ -320,8 +324,7 @@ class TextEnv(gymnasium.Env[str, str]):
         snapshot = self._snapshot()
         if snapshot is None or self.snapshot_cache_size < 1:
             return
-        key = (self.task.task_id, tuple(self._actions), tuple(sorted(self._faults.items())))
-        self.prefixes.remember(key, snapshot, tuple(self._path), self.snapshot_cache_size)
+        self.prefixes.remember(snapshot, self._path, self.snapshot_cache_size)
 
     def render(self) -> str | None:
         if self.render_mode != "ansi":
@@ -365,6 +368,9 @@ class TextEnv(gymnasium.Env[str, str]):
         if saved != own:
             raise StateError(f"state was saved from {self.env_id} with the settings {saved}, this "
                              f"one has {own}; use agent_gym.make_from_state(state)")
+        if state.depth > self.max_turns:  # before any work that grows with its length
+            raise StateError(f"the state has {state.depth} actions; an episode of this "
+                             f"{self.env_id} takes at most max_turns={self.max_turns}")
         if state.task_id not in self._task_index:
             raise StateError(f"task {state.task_id!r} of the saved state is not in this env's data")
         super().reset(seed=state.seed)
@@ -475,7 +481,7 @@ class TextEnv(gymnasium.Env[str, str]):
         self._outside_step = 0
         self._done = False
         opening = self._start(task)
-        self.prefixes.begin(lambda: self._prefix_root(task))
+        self.prefixes.begin(task.task_id, lambda: self._prefix_root(task))
         self._digests = [digest(opening.observation)]
         self._transcript = [opening.observation]
         return opening
@@ -512,8 +518,8 @@ class OutcomeEnv(TextEnv):
         super().__init__(tasks, max_turns=max_turns, invalid_penalty=invalid_penalty,
                          max_action_chars=max_action_chars, max_obs_chars=max_obs_chars,
                          render_mode=render_mode)
-        self.reward_correct = reward_correct
-        self.reward_incorrect = reward_incorrect
+        self.reward_correct = untrusted.finite(reward_correct, "reward_correct")
+        self.reward_incorrect = untrusted.finite(reward_incorrect, "reward_incorrect")
 
     def _outcome(self, correct: bool) -> float:
         return self.reward_correct if correct else self.reward_incorrect
@@ -543,6 +549,22 @@ def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> EnvShape:
         return EnvShape(num_tasks, max_turns)
     finally:
         env.close()
+
+
+def _require_finite(env_name: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a setting that is or holds NaN or an infinity: every such setting is a count,
+    a score or a budget, and a non-finite one never ends an episode or poisons every
+    reward; states, which carry the settings as JSON, could not hold it either."""
+    for name, value in kwargs.items():
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"{env_name} setting {name} must be a finite number, got {item!r}")
+            if isinstance(item, Mapping):
+                pending.extend(item.values())
+            elif isinstance(item, list | tuple):
+                pending.extend(item)
 
 
 def _json_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:

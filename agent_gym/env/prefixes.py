@@ -3,11 +3,14 @@
 In this instance: an env whose engine can snapshot itself cheaply implements ``_snapshot``
 and ``_restore_snapshot``. The index then keeps, per task and action prefix the instance has
 played, the engine snapshot and the transitions on the way (least recently used first out,
-at most ``TextEnv.snapshot_cache_size``). A restore jumps to the deepest cached prefix of
-the state's actions and replays only the rest; the cached transitions go through the same
-bookkeeping and digest check as replayed ones, so a state whose observations differ still
-fails at the step that differs. The restore's info says how many steps were skipped
-(``snapshot_depth``) out of ``restored_depth``.
+at most ``TextEnv.snapshot_cache_size``). A prefix is named by a digest chained over the task
+and each action with its fault (``chain_key``), so naming every prefix of a state, and
+finding the deepest one held, takes time linear in the state's length; the transitions are
+shared with the episode that played them rather than copied per prefix. A restore jumps to
+the deepest cached prefix of the state's actions and replays only the rest; the cached
+transitions go through the same bookkeeping and digest check as replayed ones, so a state
+whose observations differ still fails at the step that differs. The restore's info says how
+many steps were skipped (``snapshot_depth``) out of ``restored_depth``.
 
 In a fresh instance or process: an env that can also describe what each step did to its
 engine in a form any instance can redo (``_move``, JSON), redo such moves from a task's
@@ -34,24 +37,33 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from agent_gym.env.hoststore import HostStore, code_fingerprint
 from agent_gym.env.state import EnvState
 from agent_gym.env.types import Transition
 
-# (task id, the actions so far, the backend failures among them)
-PrefixKey = tuple[str, tuple[str, ...], tuple[tuple[int, str], ...]]
+
+class PrefixKey(NamedTuple):
+    """A prefix this instance holds a snapshot of: its task, its number of actions, and the
+    digest chained over the task and those actions with their faults."""
+
+    task_id: str
+    depth: int
+    chain: str
 
 
 @dataclass(frozen=True)
 class _Prefix:
-    """A point this env reached: its engine snapshot there and every transition on the way
+    """A point this env reached: its engine snapshot there and the transitions on the way
     from the task's start, as ``_step`` returned them (the base's rules are applied again
-    when they are replayed, so they are applied exactly once)."""
+    when they are replayed, so they are applied exactly once). ``path`` is the episode's own
+    list, which only ever grows: its first ``depth`` entries are this prefix's, so keeping a
+    prefix costs nothing per step."""
 
     snapshot: object
-    transitions: tuple[Transition, ...]
+    path: list[Transition]
+    depth: int
 
 
 class _StoreDisagrees(Exception):
@@ -59,9 +71,24 @@ class _StoreDisagrees(Exception):
 
 
 def chain_key(previous: str, action: str, fault: str | None) -> str:
-    """The host-store key of a prefix one action longer than the one keyed ``previous``."""
+    """The key of a prefix one action longer than the one keyed ``previous``."""
     link = json.dumps([previous, action, fault], ensure_ascii=False)
     return hashlib.sha256(link.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _task_key(task_id: str) -> str:
+    """The chain's start for a task's snapshots (``chain_key`` extends it)."""
+    return hashlib.sha256(json.dumps(["agent_gym task", task_id]).encode("utf-8",
+                                     "surrogatepass")).hexdigest()
+
+
+def _chain(start: str, state: EnvState) -> list[str]:
+    """``start`` followed by the key of each prefix of the state's actions, in one pass."""
+    faults = dict(state.faults)
+    keys = [start]
+    for step, action in enumerate(state.actions, start=1):
+        keys.append(chain_key(keys[-1], action, faults.get(step)))
+    return keys
 
 
 class PrefixIndex:
@@ -71,6 +98,8 @@ class PrefixIndex:
         self._snapshots: OrderedDict[PrefixKey, _Prefix] = OrderedDict()
         self._store = store
         self._chain: list[str] = []  # the store keys of this episode's prefixes
+        self._task_id = ""
+        self._local = ""  # the snapshot key of this episode's prefix (its chain digest)
 
     # ----------------------------------------------------------------- public
     @property
@@ -102,9 +131,11 @@ class PrefixIndex:
         return self._chain[-1] if self._chain else None
 
     # ----------------------------------------------------------------- for TextEnv
-    def begin(self, root: Callable[[], Sequence[Any] | None]) -> None:
-        """Start an episode's chain; ``root`` names its start (None: keep no record) and is
-        only asked when there is a store."""
+    def begin(self, task_id: str, root: Callable[[], Sequence[Any] | None]) -> None:
+        """Start an episode's chains; ``root`` names its start in the store (None: keep no
+        record) and is only asked when there is a store."""
+        self._task_id = task_id
+        self._local = _task_key(task_id)
         self._chain = []
         parts = root() if self._store is not None else None
         if parts is None:
@@ -114,6 +145,7 @@ class PrefixIndex:
         self._chain = [hashlib.sha256(start.encode("utf-8", "surrogatepass")).hexdigest()]
 
     def advance(self, action: str, fault: str | None) -> None:
+        self._local = chain_key(self._local, action, fault)
         if self._chain:
             self._chain.append(chain_key(self._chain[-1], action, fault))
 
@@ -132,11 +164,11 @@ class PrefixIndex:
             return
         self._store.put(self._chain[-1], zlib.compress(text.encode("utf-8", "surrogatepass"), 1))
 
-    def remember(
-        self, key: PrefixKey, snapshot: object, path: tuple[Transition, ...], size: int
-    ) -> None:
-        """Keep the engine's snapshot after ``key`` and the path there, at most ``size``."""
-        self._snapshots[key] = _Prefix(snapshot, path)
+    def remember(self, snapshot: object, path: list[Transition], size: int) -> None:
+        """Keep the engine's snapshot after the current prefix, whose transitions are
+        ``path`` (the episode's list, appended to and never changed), at most ``size``."""
+        key = PrefixKey(self._task_id, len(path), self._local)
+        self._snapshots[key] = _Prefix(snapshot, path, len(path))
         self._snapshots.move_to_end(key)
         while len(self._snapshots) > size:
             self._snapshots.popitem(last=False)
@@ -151,20 +183,21 @@ class PrefixIndex:
         there, where they came from and the faults among them; ((), None, ()) when
         neither knows any."""
         recorded = self._recorded(state) if use_store else []
+        held = _chain(_task_key(state.task_id), state) if self._snapshots else []
         for depth in range(len(state.actions), 0, -1):
-            faults = tuple(fault for fault in state.faults if fault[0] <= depth)
             # At equal depth a snapshot of this instance wins: it restores everything the
             # engine had built there, where redone moves leave it to be built again.
-            key = (state.task_id, state.actions[:depth], faults)
-            prefix = self._snapshots.get(key)
-            if prefix is not None:
+            key = PrefixKey(state.task_id, depth, held[depth]) if held else None
+            prefix = self._snapshots.get(key) if key else None
+            if key is not None and prefix is not None:
                 if restore(prefix.snapshot):
                     self._snapshots.move_to_end(key)
-                    return prefix.transitions, "instance", faults
+                    return tuple(prefix.path[:depth]), "instance", _faults_to(state, depth)
                 del self._snapshots[key]  # stale: a shallower one may still be good
             if depth <= len(recorded):
                 if redo([move for _, move in recorded[:depth]]):
-                    return tuple(transition for transition, _ in recorded[:depth]), "store", faults
+                    return (tuple(transition for transition, _ in recorded[:depth]), "store",
+                            _faults_to(state, depth))
                 recorded = []  # the engine cannot redo them: only snapshots are left
         return (), None, ()
 
@@ -173,10 +206,7 @@ class PrefixIndex:
         as far as it holds every one of them."""
         if self._store is None or not self._chain or not state.actions:
             return []
-        faults = dict(state.faults)
-        keys = [self._chain[0]]
-        for step, action in enumerate(state.actions, start=1):
-            keys.append(chain_key(keys[-1], action, faults.get(step)))
+        keys = _chain(self._chain[0], state)
         found = self._store.get_many(keys[1:])
         recorded = []
         for key in keys[1:]:
@@ -188,6 +218,10 @@ class PrefixIndex:
             except (ValueError, KeyError, TypeError, zlib.error):  # damaged: stop there
                 break
         return recorded
+
+
+def _faults_to(state: EnvState, depth: int) -> tuple[tuple[int, str], ...]:
+    return tuple(fault for fault in state.faults if fault[0] <= depth)
 
 
 def _transition_json(transition: Transition) -> dict[str, Any]:

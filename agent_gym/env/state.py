@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from agent_gym import untrusted
+
 STATE_FORMAT_VERSION = 2
 # Version 1 states (no rng, no faults) still restore; they are read as having neither.
 _READABLE_VERSIONS = (1, 2)
@@ -114,15 +116,19 @@ class EnvState:
     @classmethod
     def from_json(cls, text: str | bytes) -> EnvState:
         try:
-            payload = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StateError(f"saved state is not valid JSON: {err}") from err
+            payload = untrusted.loads(text)
+        except untrusted.UntrustedJSONError as err:
+            raise StateError(f"saved state {err}") from None
         return cls.from_dict(payload)
 
     @classmethod
     def from_dict(cls, payload: Any) -> EnvState:
         if not isinstance(payload, dict):
             raise StateError(f"saved state must be a JSON object, got {type(payload).__name__}")
+        try:  # a state parsed elsewhere (a request, a run file) is bounded here too
+            untrusted.check_depth(payload)
+        except untrusted.UntrustedJSONError as err:
+            raise StateError(f"saved state {err}") from None
         # JSON `true` arrives as a bool, and bool is an int subclass equal to 1: test the type.
         version = payload.get("version")
         if type(version) is not int or version not in _READABLE_VERSIONS:

@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from agent_gym import BackendFailure, Opening, StateMismatchError, Task, TextEnv, Transition
+from agent_gym import (
+    BackendFailure,
+    Opening,
+    StateError,
+    StateMismatchError,
+    Task,
+    TextEnv,
+    Transition,
+)
 from agent_gym.env.hoststore import HostStore
 from agent_gym.env.prefixes import chain_key
 
@@ -130,7 +138,7 @@ def test_the_cache_is_bounded_least_recently_used_first_out() -> None:
     env = TallyEnv()
     env.snapshot_cache_size = 2
     states = played(env)
-    assert sorted(len(actions) for _, actions, _ in env.prefixes.snapshots()) == [4, 5]
+    assert sorted(key.depth for key in env.prefixes.snapshots()) == [4, 5]
     assert env.reset(options={"state": states[4]})[1]["snapshot_depth"] == 4
     played(env, ["7"], task="hundred")  # evicts depth 5, the least recently used
     assert env.reset(options={"state": states[5]})[1]["snapshot_depth"] == 4
@@ -361,3 +369,45 @@ def test_the_host_store_is_opt_in_and_clear_forgets_only_this_instances_snapshot
     _, info = loud.reset(options={"state": state})
     assert (info["snapshot_source"], info["snapshot_depth"]) == (None, 0)
     assert loud.steps == len(ACTIONS) and loud.save_state() == state
+
+
+class CountedAction(str):
+    """An action that counts how often it is hashed: every lookup of a key built from a
+    prefix of the actions hashes each of them again."""
+
+    hashes = 0
+
+    def __hash__(self) -> int:
+        CountedAction.hashes += 1
+        return str.__hash__(self)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_naming_the_prefixes_of_a_state_is_linear_in_its_length(cached: bool) -> None:
+    length = 300
+    env = TallyEnv(max_turns=length)
+    states = played(env, ["1"] * length)
+    if not cached:
+        env.prefixes.clear()
+    state = replace(states[-1], actions=tuple(CountedAction(a) for a in states[-1].actions))
+    CountedAction.hashes = 0
+    assert env.reset(options={"state": state})[1]["snapshot_depth"] == (length if cached else 0)
+    # Keys holding every prefix's actions hashed each action once per shorter prefix:
+    # ~length**2 / 2 = 45,000 here; a chained digest per prefix hashes none of them.
+    assert CountedAction.hashes <= 4 * length
+
+
+def test_a_state_longer_than_the_env_allows_is_refused_before_any_prefix_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = TallyEnv(max_turns=20)
+    short = played(env)[-1]
+    long = replace(short, actions=("1",) * 50, digests=(short.digests[0],) + ("0" * 16,) * 50)
+
+    def no_prefix_work(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a state the env cannot have played was looked up")
+
+    monkeypatch.setattr(type(env.prefixes), "jump", no_prefix_work)
+    monkeypatch.setattr(TallyEnv, "_start", no_prefix_work)
+    with pytest.raises(StateError, match=r"50 actions.*max_turns=20"):
+        env.reset(options={"state": long})

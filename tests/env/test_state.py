@@ -1,4 +1,5 @@
 import json
+import socket
 
 import gymnasium
 import pytest
@@ -187,3 +188,61 @@ def test_a_restore_reports_what_this_code_scores_each_replayed_step() -> None:
     restored, _, info = make_from_state(state.prefix(1))  # mid-episode
     assert info["step_rewards"] == [-0.25] and info["episode_end"] is None
     restored.close()
+
+
+def test_deeply_nested_json_is_a_state_error_not_a_crash() -> None:
+    payload = json.loads(_played_env().unwrapped.save_state().to_json())
+    for depth in (100, 100_000):
+        nested = "[" * depth + "]" * depth
+        text = json.dumps({**payload, "env_kwargs": {"deep": "@"}}).replace('"@"', nested)
+        with pytest.raises(StateError, match="nested deeper"):
+            EnvState.from_json(text)
+    deep: list = []
+    for _ in range(200):  # a state parsed elsewhere, handed over as a dict
+        deep = [deep]
+    with pytest.raises(StateError, match="nested deeper"):
+        EnvState.from_dict({**payload, "env_kwargs": {"deep": deep}})
+    with pytest.raises(StateError, match="non-finite"):
+        EnvState.from_json(json.dumps(payload).replace('"seed": 7', '"seed": NaN'))
+    with pytest.raises(StateError, match="not UTF-8"):
+        EnvState.from_json(b"\xff" + json.dumps(payload).encode())
+
+
+@pytest.mark.parametrize("setting", ["max_turns", "reward_correct", "reward_incorrect",
+                                     "invalid_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_settings_are_refused(setting: str, value: float) -> None:
+    with pytest.raises(ValueError, match=setting):
+        gymnasium.make("agent_gym/GSM8K-v0", **{setting: value})
+    payload = json.loads(_played_env().unwrapped.save_state().to_json())
+    payload["env_kwargs"][setting] = value  # a state's settings are checked the same way
+    with pytest.raises(StateError, match=setting):
+        make_from_state(EnvState.from_dict(payload))
+
+
+def test_max_turns_is_a_whole_number() -> None:
+    for bad in (2.5, True, "3", 0):
+        with pytest.raises(ValueError, match="max_turns"):
+            gymnasium.make("agent_gym/GSM8K-v0", max_turns=bad)
+
+
+def test_a_state_never_chooses_where_to_connect_or_an_env_that_keeps_no_states() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.3)
+    port = listener.getsockname()[1]
+    remote = EnvState(env_id="agent_gym/Remote-v0",
+                      env_kwargs={"url": f"http://127.0.0.1:{port}", "token": "stolen"},
+                      task_id="t", seed=None, actions=(), digests=("0" * 16,))
+    with listener:
+        with pytest.raises(StateError, match="not an env that saves"):
+            make_from_state(remote)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing connected
+    other = EnvState(env_id="CartPole-v1", env_kwargs={}, task_id="t", seed=None, actions=(),
+                     digests=("0" * 16,))
+    with pytest.raises(StateError, match="'CartPole-v1'"):
+        make_from_state(other)
+    wrong_kwarg = json.loads(_played_env().unwrapped.save_state().to_json())
+    wrong_kwarg["env_kwargs"]["no_such_setting"] = 1
+    with pytest.raises(StateError, match="refuses the state's settings"):
+        make_from_state(EnvState.from_dict(wrong_kwarg))

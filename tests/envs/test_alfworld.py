@@ -305,12 +305,12 @@ def test_restore_in_the_same_env_jumps_to_snapshots(monkeypatch: pytest.MonkeyPa
     assert steps == []  # no command was replayed
     deepest = states[-1]
     # Shallow snapshots evicted: the deepest one still carries the whole path.
-    for key in [k for k in made.prefixes.snapshots() if len(k[1]) < 3]:
+    for key in [k for k in made.prefixes.snapshots() if k.depth < 3]:
         made.prefixes.forget(key)
     assert made.reset(options={"state": deepest})[1]["snapshot_depth"] == deepest.depth
     assert steps == [] and made.save_state() == deepest
     # Deeper snapshots evicted: jump as far as possible, replay the rest.
-    for key in [k for k in made.prefixes.snapshots() if len(k[1]) > 3]:
+    for key in [k for k in made.prefixes.snapshots() if k.depth > 3]:
         made.prefixes.forget(key)
     observation, info = made.reset(options={"state": deepest})
     assert len(steps) == deepest.depth - 3 and made.save_state() == deepest
