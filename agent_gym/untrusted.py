@@ -27,11 +27,20 @@ def _refuse_constant(name: str) -> float:
     raise UntrustedJSONError(f"holds the non-finite number {name}")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as infinity
+        raise UntrustedJSONError(f"holds the number {text[:40]}, too large to be finite")
+    return value
+
+
 def loads(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads`` for untrusted text: ``UntrustedJSONError`` (a ``ValueError``) when it is
     not JSON, is nested deeper than ``max_depth`` arrays and objects, or holds NaN/Infinity."""
     try:
-        value = json.loads(text, parse_constant=_refuse_constant)
+        if isinstance(text, bytes):  # UTF-8 only: json.loads would guess UTF-16 or -32 too
+            text = text.decode("utf-8")
+        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except RecursionError:
         raise UntrustedJSONError(f"is nested deeper than {max_depth} levels") from None
     except UnicodeDecodeError as err:

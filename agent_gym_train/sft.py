@@ -43,6 +43,8 @@ import gymnasium
 import numpy as np
 from pytrio import Datum
 
+from agent_gym.env.state import EnvState, StateError
+from agent_gym.eval.runlog import FINAL_STATE_SCHEMA, read_log
 from agent_gym.render import ChatRenderer, Conversation
 from agent_gym_train.args import OUT_HELP, RunArgs
 from agent_gym_train.args import parse_args as parse_run_args
@@ -140,20 +142,25 @@ def oracle_demonstrations(make_env: EnvFactory) -> list[Demonstration]:
 
 def run_demonstrations(run_dir: Path, env_id: str) -> list[Demonstration]:
     """The successful episodes of an ``agent-gym eval`` run on ``env_id``: each episode's
-    final saved state holds the exact actions that earned its reward."""
+    final saved state holds the exact actions that earned its reward. The log is read as
+    eval's readers read it (``agent_gym.eval.runlog``): a line it cannot take is named and
+    skipped, never trained on."""
     path = run_dir / "episodes.jsonl"
     if not path.is_file():
         raise RunConfigError(f"{run_dir} is not an agent-gym eval run (no episodes.jsonl)")
+    log = read_log(path, FINAL_STATE_SCHEMA)
+    for note in log.notes():
+        print(f"note: {run_dir}: {note}", file=sys.stderr)
     demos = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        state = record["final_state"]
-        if state["env_id"] != env_id:
-            raise RunConfigError(f"{path} holds {state['env_id']} episodes, not {env_id}")
+    for _, record in log.records:
+        try:
+            state = EnvState.from_dict(record["final_state"])
+        except StateError as err:
+            raise RunConfigError(f"{path}: episode {record['episode']}: {err}") from err
+        if state.env_id != env_id:
+            raise RunConfigError(f"{path} holds {state.env_id} episodes, not {env_id}")
         if record["success"]:
-            demos.append(Demonstration({"task_id": state["task_id"]}, state["actions"],
+            demos.append(Demonstration({"task_id": state.task_id}, list(state.actions),
                                        f"{run_dir.name}#{record['episode']}"))
     return demos
 

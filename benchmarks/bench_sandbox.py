@@ -195,6 +195,7 @@ def main() -> None:
         "benchmark": "sandbox",
         "workload": CODE,
         "isolation": stateless.isolation,
+        "memory_bound": stateless.memory_bound,
         "method": "latency: clients pause 50 ms between calls; throughput: back to back for "
         f"{seconds} s; ratios against the plain subprocess at the same concurrency",
         "results": rows,

@@ -86,7 +86,11 @@ class TurnTakingTokenizer:
 
 
 class AgentGymMessageEnv(MessageEnv):
-    """One agent_gym episode at the message level; the env is built at the first call."""
+    """One agent_gym episode at the message level; the env is built at the first call.
+
+    Only the opening chat, the env's replies and the reward reach the renderer and so the
+    policy; the episode's privileged info (answers, oracle actions) stays in
+    ``privileged``, for a critic or a group's reward to read."""
 
     def __init__(self, env_id: str, env_kwargs: dict[str, Any], reset_options: dict[str, Any],
                  renderer: renderers.Renderer) -> None:
@@ -97,11 +101,13 @@ class AgentGymMessageEnv(MessageEnv):
         self.env: gymnasium.Env | None = None
         self.messages: list[renderers.Message] = []
         self.example_id: str | None = None
+        self.privileged: dict[str, Any] = {}
 
     async def initial_observation(self) -> list[renderers.Message]:
         self.env = await asyncio.to_thread(gymnasium.make, self.env_id, **self.env_kwargs)
         _, info = await asyncio.to_thread(self.env.reset, options=self.reset_options)
         self.example_id = info["task_id"]
+        self.privileged = dict(info["privileged"])
         chat = [dict(m) for m in info["messages"] + info.get("history", [])]
         if info.get("tools"):
             system = chat.pop(0)["content"] if chat and chat[0]["role"] == "system" else ""

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import EntryPoint, PackageNotFoundError, entry_points, version
 from pathlib import Path
 from types import FrameType
@@ -35,9 +35,17 @@ from agent_gym.eval.compare import CompareError
 from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import PolicyError, PolicyInput, make_policy, phrase_action
 from agent_gym.eval.run import action_protocol, evaluate
-from agent_gym.eval.runlog import ERRORS_FILE, RunMismatchError, record_key
-from agent_gym.eval.runs import RunDirError
-from agent_gym.eval.summary import Summary, format_table, overall_summary, read_summary
+from agent_gym.eval.runlog import (
+    ERRORS_FILE,
+    FINAL_STATE_SCHEMA,
+    MAX_LINE_BYTES,
+    RunMismatchError,
+    read_json_file,
+    read_log,
+    record_key,
+)
+from agent_gym.eval.runs import CONFIG_FILE, RunDirError, read_run
+from agent_gym.eval.summary import Summary, format_table, overall_summary
 from agent_gym.render import TemplateError
 from agent_gym.search import cli as search_cli
 
@@ -121,42 +129,24 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _read_state(path: Path, episode: int | None, rollout: int = 0) -> EnvState:
     """A state file, or (``--episode N [--rollout R]``) the final state of episode N's
-    rollout R of an eval log."""
+    rollout R of an eval log, read as untrusted input (``agent_gym.eval.runlog``)."""
     if not path.is_file():
         raise UserError(f"{path} does not exist (or is not a file)")
-    text = path.read_text(encoding="utf-8")
-    records = _eval_records(text)
-    if records is None:
+    log = read_log(path, FINAL_STATE_SCHEMA)
+    if not log.records:  # not an eval log: a state, on one line or pretty-printed
         if episode is not None:
             raise UserError(f"--episode reads an eval log (episodes.jsonl); {path} is not one")
-        return EnvState.from_json(text)
+        return EnvState.from_dict(read_json_file(path, MAX_LINE_BYTES))
+    for note in log.notes():
+        print(f"agent-gym replay: note: {note}", file=sys.stderr)
+    records = {record_key(record): record for _, record in log.records}
     if episode is None:
         numbers = sorted({number for number, _ in records})
-        raise UserError(
-            f"{path} is an eval log with {len(records)} episodes; pick one with --episode N "
-            f"(N from {numbers[0]} to {numbers[-1]})" if numbers else f"{path} holds no episodes"
-        )
+        raise UserError(f"{path} is an eval log with {len(records)} episodes; pick one with "
+                        f"--episode N (N from {numbers[0]} to {numbers[-1]})")
     if (episode, rollout) not in records:
         raise UserError(f"{path} holds no finished episode {episode} rollout {rollout}")
     return EnvState.from_dict(records[episode, rollout]["final_state"])
-
-
-def _eval_records(text: str) -> dict[tuple[int, int], dict[str, Any]] | None:
-    """The episodes of an ``episodes.jsonl`` by (episode, rollout), or None when ``text`` is
-    not one."""
-    lines = [line for line in text.splitlines() if line.strip()]
-    if len(lines) < 1:
-        return None
-    records: dict[tuple[int, int], dict[str, Any]] = {}
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            return None
-        if not (isinstance(record, dict) and "final_state" in record and "episode" in record):
-            return None
-        records[record_key(record)] = record
-    return records
 
 
 def _positive(text: str) -> int:
@@ -268,11 +258,14 @@ def _eval(args: argparse.Namespace) -> int:
                 episodes = args.episodes or entry.episodes_for(policy_spec)
                 if episodes == 0:
                     continue
-                config = EvalConfig(
-                    entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs,
-                    rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
-                    temperature=args.temperature, history_window=args.history_window,
-                )
+                try:
+                    config = EvalConfig(
+                        entry.env_id, policy_spec, episodes, args.seed, entry.env_kwargs,
+                        rollouts_per_task=args.rollouts_per_task, max_tokens=args.max_tokens,
+                        temperature=args.temperature, history_window=args.history_window,
+                    )
+                except ValueError as err:  # --episodes or --rollouts-per-task out of range
+                    raise UserError(str(err)) from err
                 out_dir = Path(args.out)
                 if args.suite is not None:
                     out_dir = (out_dir / entry.env_id.removeprefix("agent_gym/")
@@ -287,8 +280,9 @@ def _eval(args: argparse.Namespace) -> int:
                         notify=_tell,
                     ))
                 except KeyboardInterrupt:
-                    if (out_dir / "summary.json").exists():
-                        runs.append((config, read_summary(out_dir), out_dir))
+                    if (out_dir / CONFIG_FILE).exists():  # its figures, from its episodes
+                        summary = replace(read_run(out_dir).summary(), interrupted=True)
+                        runs.append((config, summary, out_dir))
                     _report(runs, args)
                     print("agent-gym eval: interrupted; the finished episodes are kept and "
                           "summarised: rerun the same command to resume", file=sys.stderr)
@@ -337,21 +331,36 @@ def _run_name(policy_spec: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agent_gym.serve.app import serve
+    from agent_gym.serve.app import ExposureError, serve
     from agent_gym.serve.sessions import ServerConfig
 
-    token = None
-    if args.token_env is not None:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise SystemExit(f"agent-gym serve: --token-env {args.token_env} is not set")
-    config = ServerConfig(
-        args.env_id, dict(args.env_arg), max_sessions=args.max_sessions,
-        idle_timeout_s=args.idle_timeout or None, max_request_bytes=args.max_request_bytes,
-        token=token,
-    )
-    serve(config, host=args.host, port=args.port, verbose=args.verbose)
+    token, critic_token = (_token_from(flag, var) for flag, var in (
+        ("--token-env", args.token_env), ("--critic-token-env", args.critic_token_env)))
+    try:
+        config = ServerConfig(
+            args.env_id, dict(args.env_arg), max_sessions=args.max_sessions,
+            idle_timeout_s=args.idle_timeout or None, max_request_bytes=args.max_request_bytes,
+            token=token, critic_token=critic_token,
+        )
+    except ValueError as err:  # a limit out of range, the critic's token the policy's
+        raise UserError(str(err)) from err
+    try:
+        serve(config, host=args.host, port=args.port, verbose=args.verbose,
+              allow_unauthenticated=args.allow_unauthenticated)
+    except ExposureError as err:
+        raise UserError(str(err)) from err
     return 0
+
+
+def _token_from(flag: str, variable: str | None) -> str | None:
+    """The token in environment variable ``variable`` (tokens never go on a command line,
+    where other users' ``ps`` shows them)."""
+    if variable is None:
+        return None
+    token = os.environ.get(variable)
+    if not token:
+        raise UserError(f"{flag} {variable} is not set")
+    return token
 
 
 def _missing_serve(missing: str, _: argparse.Namespace) -> int:
@@ -394,7 +403,15 @@ def _register_serve(commands: Any) -> None:
     server.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help="largest HTTP body or WebSocket frame accepted")
     server.add_argument("--token-env", metavar="VAR",
-                        help="require 'Authorization: Bearer <$VAR>' on every request")
+                        help="require 'Authorization: Bearer <$VAR>' on every request "
+                        "but /health (needed for a --host other than loopback)")
+    server.add_argument("--critic-token-env", metavar="VAR",
+                        help="serve the episode's privileged info (answers, oracle actions) "
+                        "to requests carrying critic_token=$VAR; without it no one gets it, "
+                        "and observations never carry it")
+    server.add_argument("--allow-unauthenticated", action="store_true",
+                        help="listen on a non-loopback --host with no token: anyone who "
+                        "reaches it can run episodes")
     server.add_argument("--verbose", action="store_true",
                         help="log a line per request and per WebSocket session")
     server.set_defaults(run=_serve)

@@ -12,8 +12,8 @@ from agent_gym.cli.parsing import add_env_arg
 from agent_gym.eval.compare import CompareError, compare, format_comparison
 from agent_gym.eval.report import Compared, render_report
 from agent_gym.eval.rescore import default_output, format_rescore, rescore_run
-from agent_gym.eval.runlog import EPISODES_FILE, ERRORS_FILE
-from agent_gym.eval.runs import CONFIG_FILE, SUMMARY_FILE, Run, RunDirError, find_runs, read_run
+from agent_gym.eval.runlog import RESCORE_FILE, write_atomically
+from agent_gym.eval.runs import Run, RunDirError, check_output, find_runs, read_run
 
 REPORT_FILE = "report.html"
 
@@ -43,19 +43,30 @@ def _comparisons(paths: Sequence[str], sides: list[list[Run]], strict: bool) -> 
     return found
 
 
+def _write_output(out: Path, text: str) -> None:
+    """Write a command's output file (which ``check_output`` has cleared, before the work
+    of making it) as a whole, through a symlink: a failed write leaves the file that was
+    there, and a path that cannot be written is one line."""
+    target = out.resolve()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise RunDirError(f"cannot write {out}: {err.strerror or err}") from err
+    write_atomically(target, text)
+
+
 def _write_report(out: Path, sides: list[list[Run]], comparisons: list[Compared]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_report([run for side in sides for run in side], comparisons),
-                   encoding="utf-8")
+    _write_output(out, render_report([run for side in sides for run in side], comparisons))
     print(f"report: {out.resolve().as_uri()}")
 
 
 def _view(args: argparse.Namespace) -> int:
     sides = _sides(args.runs)
+    out = Path(args.out or REPORT_FILE)  # never inside a run it reads unless told so
+    check_output(out, [run for side in sides for run in side])
     if args.replay:  # per-step rewards for logs that do not hold them, written nowhere else
         sides = [[_replayed(run, dict(args.env_arg)) for run in side] for side in sides]
     comparisons = _comparisons(args.runs, sides, strict=False) if len(sides) > 1 else []
-    out = Path(args.out) if args.out else sides[0][0].path / REPORT_FILE
     _write_report(out, sides, comparisons)
     return 0
 
@@ -68,6 +79,8 @@ def _replayed(run: Run, host_kwargs: dict[str, Any]) -> Run:
 
 def _compare(args: argparse.Namespace) -> int:
     sides = _sides(args.runs)
+    if args.html:
+        check_output(Path(args.html), [run for side in sides for run in side])
     comparisons = _comparisons(args.runs, sides, strict=True)
     print("\n\n".join(format_comparison(c.comparison) for c in comparisons))
     if args.html:
@@ -81,18 +94,14 @@ def _rescore(args: argparse.Namespace) -> int:
         raise RunDirError(f"{args.run_dir} holds {len(paths)} runs; rescore one run directory")
     run = read_run(paths[0])
     out = Path(args.out) if args.out else default_output(run)
-    own = {run.path.resolve() / name for name in
-           (CONFIG_FILE, EPISODES_FILE, ERRORS_FILE, SUMMARY_FILE)}
-    if out.resolve() in own:
-        raise RunDirError(f"{out} is one of the run's own files; rescore never replaces them")
+    check_output(out, [run], allowed=RESCORE_FILE)
     if out.exists() and not args.force:
         raise RunDirError(f"{out} exists (an earlier rescore?); pass --force to replace it "
                           "or --out another file")
     if not run.episodes:
         raise RunDirError(f"{run.path} has no finished episode to rescore")
     result = rescore_run(run, dict(args.env_arg))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(result.to_json(), encoding="utf-8")
+    _write_output(out, result.to_json())
     print(format_rescore(result, out))
     return 1 if result.failed else 0
 
@@ -107,7 +116,8 @@ def register(commands: Any) -> None:
         "filters; runs of the same tasks are linked and compared with the first RUN.",
     )
     view.add_argument("runs", nargs="+", metavar="RUN", help="eval run directories")
-    view.add_argument("--out", help=f"the HTML file (default: FIRST_RUN/{REPORT_FILE})")
+    view.add_argument("--out", help=f"the HTML file (default: ./{REPORT_FILE}; never a run's "
+                      "own file)")
     view.add_argument("--replay", action="store_true",
                       help="replay every episode's saved state to show its rewards per step "
                       "(a run's rescore.json is used without it)")

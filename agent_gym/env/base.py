@@ -241,14 +241,6 @@ class TextEnv(gymnasium.Env[str, str]):
         return len(self.tasks)
 
     @property
-    def steps_in_process(self) -> bool:
-        """True when no step ever waits on anything outside this process (a subprocess, the
-        network, a file it writes), so a server may run a short one on its event loop
-        (``agent_gym.serve.sessions``). False unless an env knows better: a sandbox, a remote
-        backend or a verifier helper process can make any step wait for seconds."""
-        return False
-
-    @property
     def task(self) -> Task:
         if self._task is None:
             raise RuntimeError("call reset() before using the environment")

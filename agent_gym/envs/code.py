@@ -94,7 +94,9 @@ class CodeInterpreterEnv(OutcomeEnv):
         isolation: ``"bwrap"``; ``"rlimits"`` is the explicit, unsafe opt-in for hosts
             without user namespaces (reported in every step's ``info["isolation"]``).
         max_code_calls, max_turns, max_obs_chars: the budgets.
-        timeout, memory_mb: per call wall-time (s) and address-space (MiB) limits.
+        timeout, memory_mb: per call wall-time (s) and address-space (MiB) limits; the
+            memory limit also bounds all of a sandbox's processes together (a cgroup, else
+            a watcher: ``env.sandbox.memory_bound`` says which).
         reward_correct, reward_incorrect: the two outcome rewards.
         invalid_penalty: subtracted from the reward of an invalid step.
         math_timeout: seconds allowed to math-verify per answer.

@@ -162,12 +162,7 @@ class SearchEnv(OutcomeEnv):
                            timeout=timeout, max_retries=max_retries)
         self.backend = CachedBackend(raw, _open_cache(cache, backend))
         # A local index with an in-memory cache: every step is computation in this process.
-        self._in_process = backend == "bm25" and cache in ("auto", "memory", "off")
         self._searches = 0
-
-    @property
-    def steps_in_process(self) -> bool:
-        return self._in_process
 
     # ------------------------------------------------------------------ episode
     def _start(self, task: Task) -> Opening:

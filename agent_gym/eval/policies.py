@@ -152,6 +152,11 @@ class OraclePolicy:
     name = "oracle"
 
     async def act(self, observation: PolicyInput) -> Reply:
+        if not observation.privileged:
+            raise PolicyError(
+                "the oracle got no privileged info: a served env (agent_gym/Remote-v0) gives "
+                "it only to a client with the server's critic token (serve "
+                "--critic-token-env VAR; --env-arg critic_token_env=VAR)")
         script = observation.privileged.get("oracle_actions")
         if not script:
             raise PolicyError("this env gives no oracle_actions in its privileged info")

@@ -24,6 +24,7 @@ from agent_gym.eval.runs import EpisodeKey, Run
 
 OPEN_MESSAGE_CHARS = 2000  # longer messages start collapsed (a click shows them whole)
 HISTOGRAM_BINS = 10
+MAX_INTEGER_BARS = 40
 
 
 @dataclass(frozen=True)
@@ -241,12 +242,15 @@ def _histograms(runs: Sequence[Run], envs: Sequence[str]) -> str:
 
 
 def _histogram(title: str, values: list[float], integer: bool = False) -> str:
-    """An inline SVG bar chart of ``values``: one bar per integer for counts, else
-    ``HISTOGRAM_BINS`` equal bins (a single bar when every value is the same)."""
+    """An inline SVG bar chart of ``values``: one bar per integer for counts spanning at
+    most ``MAX_INTEGER_BARS``, else ``HISTOGRAM_BINS`` equal bins (a single bar when every
+    value is the same). The number of bars never depends on the values: one bar per
+    integer of a recorded turn count of 10^8 was a hundred million bars."""
     width, height, pad = 260, 120, 22
     if not values:
         return f"<figure class='hist'><figcaption>{_e(title)}: no episodes</figcaption></figure>"
     low, high = min(values), max(values)
+    integer = integer and high - low < MAX_INTEGER_BARS
     if integer:
         edges = [low + i for i in range(int(high - low) + 2)]
     elif high == low:

@@ -24,8 +24,8 @@ from typing import Any
 
 import agent_gym
 from agent_gym.env.state import EnvState, StateError
-from agent_gym.eval.runlog import record_key
-from agent_gym.eval.runs import RESCORE_FILE, Run
+from agent_gym.eval.runlog import RESCORE_FILE, record_key
+from agent_gym.eval.runs import Run
 from agent_gym.eval.summary import Summary, summarize
 
 # Rewards are sums of floats the env returns; a change below this is float noise.

@@ -3,12 +3,13 @@
 The run directory is the unit of work. ``config.json`` pins what is measured (env, its
 arguments, policy, seed); ``episodes.jsonl`` gets one line per finished episode, counted
 as done only once fsynced, so a run killed at any moment (even SIGKILL) resumes where it
-stopped: finished episodes are kept, a half-written last line is cut off, and only the
-missing (episode, rollout) pairs run again. Episode ``i`` plays task
-``order[i % n]`` of a permutation of the env's n tasks seeded by ``seed`` (every task once
-before any repeats), ``rollouts_per_task`` times; rollout 0 resets with seed ``seed + i``
-and rollout ``r > 0`` with ``derive_seed(seed, i, r)``: a resumed run measures exactly what
-an unbroken one would.
+stopped: finished episodes are kept, a half-written last line (or any line that cannot be
+read) is moved aside to ``episodes.jsonl.quarantined``, and only the missing (episode,
+rollout) pairs run again; one eval writes a run directory at a time (``RunLog`` locks it).
+Episode ``i`` plays task ``order[i % n]`` of a permutation of the env's n tasks seeded by
+``seed`` (every task once before any repeats), ``rollouts_per_task`` times; rollout 0
+resets with seed ``seed + i`` and rollout ``r > 0`` with ``derive_seed(seed, i, r)``: a
+resumed run measures exactly what an unbroken one would.
 
 Every setting that changes results (env, its arguments, policy, seed, reply budget,
 temperature, history window) is the run's identity: a resume with another value is refused.
@@ -42,7 +43,7 @@ from agent_gym.actions.protocols import ActionProtocol
 from agent_gym.env.base import describe_env
 from agent_gym.eval.config import EvalConfig, Key, episode_seed
 from agent_gym.eval.policies import ContextLengthError, Policy, PolicyInput
-from agent_gym.eval.runlog import RunLog, write_atomically
+from agent_gym.eval.runlog import RunLog, RunWriteError
 from agent_gym.eval.summary import Summary, summarize
 from agent_gym.render import window_messages
 
@@ -160,19 +161,39 @@ async def evaluate(
     """Run the missing (episode, rollout) pairs of ``config`` into ``out_dir`` and summarise
     every episode the directory holds (never fewer than it held: see ``RunLog``).
 
-    ``notify`` is told, before anything runs, what a rerun found in ``out_dir``.
+    ``notify`` is told, before anything runs, what a rerun found in ``out_dir`` (and set
+    aside, when lines of its log could not be read).
 
     ``make_env`` builds one env per concurrent episode slot; by default
     ``gymnasium.make`` in this process (``agent_gym.serve.distributed.RemoteEnv`` puts it in a
     Ray actor instead). A run cancelled (Ctrl-C, SIGTERM through the command line) still
-    writes ``summary.json`` of its finished episodes, marked ``interrupted``. The policy's
-    connections (``aclose``) are closed when the run ends: they belong to this event loop.
+    writes ``summary.json`` of its finished episodes, marked ``interrupted``. A run whose
+    log cannot be written (disk full) stops at once with a ``RunWriteError`` saying how
+    many episodes are saved; only saved episodes are counted, by the progress bar too. The
+    policy's connections (``aclose``) are closed when the run ends: they belong to this
+    event loop.
     """
+    try:
+        log = RunLog(out_dir, config)  # holds the directory until closed
+        try:
+            return await _run(config, policy, log, concurrency, progress, make_env, notify)
+        finally:
+            await asyncio.to_thread(log.close)
+    finally:
+        close = getattr(policy, "aclose", None)
+        if close is not None:
+            await close()
+
+
+async def _run(
+    config: EvalConfig, policy: Policy, log: RunLog, concurrency: int, progress: bool,
+    make_env: Callable[[], Any] | None, notify: Callable[[str], None] | None,
+) -> Summary:
+    """``evaluate`` while it holds the run directory (``log``): plan, play, summarise."""
     if make_env is None:
         def make_env() -> Any:
             return gymnasium.make(config.env_id, **config.env_kwargs)
 
-    log = RunLog(out_dir, config)
     num_tasks, _ = await asyncio.to_thread(describe_env, config.env_id, config.env_kwargs)
     order = np.random.default_rng(config.seed).permutation(num_tasks)
     todo: asyncio.Queue[Key] = asyncio.Queue()
@@ -181,21 +202,28 @@ async def evaluate(
         for rollout in range(config.rollouts_per_task):
             if (episode, rollout) not in log.records:
                 todo.put_nowait((episode, rollout))
-    note = log.found_note(config, todo.qsize())
-    if note is not None and notify is not None:
-        notify(note)
+    if notify is not None:
+        for note in [*log.notes, log.found_note(config, todo.qsize())]:
+            if note is not None:
+                notify(note)
     bar = tqdm(
         total=planned, initial=planned - todo.qsize(), disable=not progress,
         desc=f"{config.env_id.removeprefix('agent_gym/')} / {config.policy}", unit="ep",
     )
 
     # Lines being committed: a worker goes on to its next episode meanwhile, and an
-    # episode counts as done (the bar, the summary) only once its line is durable.
+    # episode counts as done (the bar, the summary) only once its line is durable. Failed
+    # episodes (retried on resume) are shown beside the count, never in it.
     commits: list[asyncio.Future[None]] = []
 
-    def committed(commit: Awaitable[None]) -> None:
+    def saved(future: asyncio.Future[None]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            bar.update()
+
+    def committed(commit: Awaitable[None], *, episode: bool = True) -> None:
         future = asyncio.ensure_future(commit)
-        future.add_done_callback(lambda _: bar.update())
+        if episode:
+            future.add_done_callback(saved)
         commits.append(future)
 
     # One thread per episode slot: asyncio's default executor has min(32, cpus + 4) threads
@@ -209,7 +237,8 @@ async def evaluate(
     async def worker() -> None:
         env = await _in_thread(pool, make_env)
         try:
-            while not todo.empty():
+            # After a failed write nothing more can be saved: play no further episode.
+            while not todo.empty() and log.failure is None:
                 episode, rollout = key = todo.get_nowait()
                 try:
                     record = await play_episode(
@@ -218,7 +247,8 @@ async def evaluate(
                         history_window=config.history_window, pool=pool,
                     )
                 except Exception as err:  # one broken episode must not sink the run
-                    committed(log.write_error(key, err))
+                    committed(log.write_error(key, err), episode=False)
+                    bar.set_postfix(errors=log.errors)
                     # The env may be mid-episode in an unknown state: start a fresh one.
                     await _in_thread(pool, env.close)
                     env = await _in_thread(pool, make_env)
@@ -232,14 +262,21 @@ async def evaluate(
         await asyncio.gather(*(worker() for _ in range(workers)))
         await asyncio.gather(*commits)
         finished = True
+    except RunWriteError as err:
+        raise RunWriteError(
+            f"{err}; the run stopped with {len(log.records)} finished episodes saved in "
+            f"{log.out_dir}: rerun the same command to resume once it can be written"
+        ) from err
     finally:
         pool.shutdown(wait=False)
-        await asyncio.to_thread(log.close)
+        await asyncio.to_thread(log.drain)
         bar.close()
         summary = summarize(log.config, log.finished(), log.errors, log.first_error,
                             interrupted=not finished)
-        write_atomically(out_dir / "summary.json", json.dumps(asdict(summary), indent=2))
-        close = getattr(policy, "aclose", None)
-        if close is not None:
-            await close()
+        try:
+            log.write_summary(json.dumps(asdict(summary), indent=2))
+        except RunWriteError:
+            if finished:
+                raise
+            # The run is already failing or interrupted: that is what to report.
     return summary

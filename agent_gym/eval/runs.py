@@ -1,12 +1,15 @@
 """Reading eval run directories as ``agent-gym eval`` left them: the one reader that
-``view``, ``compare`` and ``rescore`` share.
+``view``, ``compare`` and ``rescore`` share, and the check that none of them writes over
+what it read.
 
 A run directory may come from a run that was killed (a half-written last line of
 ``episodes.jsonl``, no ``summary.json`` or an old one), resumed (a later attempt's lines
 after an earlier attempt's), or made by a newer or older eval (config fields this code does
-not know). Reading never changes the directory: a half-written line is left where it is (a
-resume cuts it), an unreadable line is skipped and reported, and an episode number logged
-twice keeps its first line, as the resume does. Every episode the log holds is read, even
+not know), or be crafted. Every file is read through ``agent_gym.eval.runlog``'s readers,
+as untrusted input (schema-checked, finite numbers, bounded sizes). Reading never changes
+the directory: a half-written or unreadable line is left where it is (a resume
+quarantines it), skipped and reported, and an episode number logged twice keeps its first
+line, as the resume does. Every episode the log holds is read, even
 one past the counts of ``config.json`` (an older eval shrank them when rerun with fewer
 ``--episodes``), and such a run says so in its notes. The figures are always recomputed from
 the episodes with the eval's own ``summarize``, so a killed run's report is as current as its
@@ -21,31 +24,48 @@ so on, so a run with more episodes than tasks still keys every episode apart.
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent_gym.eval.config import EvalConfig
-from agent_gym.eval.runlog import EPISODES_FILE, ERRORS_FILE, record_key
+from agent_gym.eval.runlog import (
+    CONFIG_FILE,
+    EPISODE_SCHEMA,
+    EPISODES_FILE,
+    ERROR_SCHEMA,
+    ERRORS_FILE,
+    MAX_EPISODES,
+    MAX_ROLLOUTS_PER_TASK,
+    QUARANTINE_FILE,
+    RESCORE_FILE,
+    RUN_FILES,
+    RunDirError,
+    Schema,
+    count,
+    figure,
+    list_of,
+    optional,
+    read_config,
+    read_json_file,
+    read_log,
+    record_key,
+    schema_problem,
+    text,
+)
 from agent_gym.eval.summary import Summary, summarize
 
-CONFIG_FILE = "config.json"
-SUMMARY_FILE = "summary.json"
-RESCORE_FILE = "rescore.json"
-
 EpisodeKey = tuple[str, str, int]
-# The fields of an episode line the figures are computed from, with their JSON types.
-EPISODE_FIELDS: dict[str, tuple[type, ...]] = {
-    "episode": (int,), "task_id": (str,), "reward": (int, float), "success": (bool,),
-    "turns": (int,), "latency_s": (int, float), "completion_tokens": (int, type(None)),
+# What ``view`` takes from each episode of a ``rescore.json``.
+RESCORED_SCHEMA: Schema = {
+    "episode": (count(MAX_EPISODES - 1), True),
+    "rollout": (count(MAX_ROLLOUTS_PER_TASK - 1), False),
+    "step_rewards": (optional(list_of(figure)), False),
+    "error": (optional(text), False),
 }
-
-
-class RunDirError(ValueError):
-    """A run directory cannot be used as asked: it is not one (or holds none), or a file
-    was to be written over one of its own."""
+MAX_RESCORE_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -88,11 +108,16 @@ def find_runs(path: Path) -> list[Path]:
 
 def read_run(path: Path) -> Run:
     """The run in ``path``; ``RunDirError`` when it has no readable config."""
-    config = _read_config(path / CONFIG_FILE)
-    notes: list[str] = []
-    records = _read_jsonl(path / EPISODES_FILE, notes, required=EPISODE_FIELDS)
+    if not (path / CONFIG_FILE).is_file():
+        raise RunDirError(f"{path} is not an eval run directory (no {CONFIG_FILE})")
+    config, _ = read_config(path / CONFIG_FILE)
+    lines = read_log(path / EPISODES_FILE, EPISODE_SCHEMA)
+    notes = lines.notes()
+    if (path / QUARANTINE_FILE).is_file():
+        notes.append(f"{QUARANTINE_FILE} holds lines of {EPISODES_FILE} a resume could not "
+                     "read and set aside; they are not shown")
     by_number: dict[tuple[int, int], dict[str, Any]] = {}
-    for record in records:
+    for _, record in lines.records:
         number = record_key(record)
         if number in by_number:
             notes.append(f"episode {_named(number)} is logged twice; the first line is kept")
@@ -110,9 +135,9 @@ def read_run(path: Path) -> Run:
     seen: dict[tuple[str, str], int] = {}
     for number in sorted(by_number):
         record = by_number[number]
-        task = (config.env_id, str(record["task_id"]))
+        task = (config.env_id, record["task_id"])
         rollout = record.get("rollout")
-        if not isinstance(rollout, int) or isinstance(rollout, bool):
+        if rollout is None:
             rollout = seen.get(task, 0)
         seen[task] = max(seen.get(task, 0), rollout + 1)
         key = (*task, rollout)
@@ -121,12 +146,10 @@ def read_run(path: Path) -> Run:
                          f"{rollout}; skipped")
             continue
         episodes[key] = record
-    errors = _read_jsonl(path / ERRORS_FILE, notes, required={"episode": (int,)})
-    rescored = {
-        record_key(item): item
-        for item in _read_rescore(path / RESCORE_FILE, notes)
-    }
-    return Run(path, config, episodes, errors, notes, rescored)
+    errors = read_log(path / ERRORS_FILE, ERROR_SCHEMA)
+    notes += errors.notes()
+    rescored = {record_key(item): item for item in _read_rescore(path / RESCORE_FILE, notes)}
+    return Run(path, config, episodes, [record for _, record in errors.records], notes, rescored)
 
 
 def _extent(config: EvalConfig) -> str:
@@ -142,68 +165,44 @@ def read_runs(paths: list[Path]) -> list[Run]:
     return [read_run(run) for path in paths for run in find_runs(path)]
 
 
-def _read_config(path: Path) -> EvalConfig:
-    if not path.is_file():
-        raise RunDirError(f"{path.parent} is not an eval run directory (no {CONFIG_FILE})")
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RunDirError(f"{path} is not valid JSON: {err}") from err
-    if not isinstance(payload, dict):
-        raise RunDirError(f"{path} must hold a JSON object")
-    known = {f.name for f in dataclasses.fields(EvalConfig)}
-    # A newer eval's settings (rollouts per task, context limits) are kept out of the
-    # dataclass this code knows; they never change how the episodes are read.
-    try:
-        config = EvalConfig(**{k: v for k, v in payload.items() if k in known})
-    except TypeError as err:
-        raise RunDirError(f"{path} is not an eval config: {err}") from err
-    if not isinstance(config.env_id, str) or not isinstance(config.episodes, int):
-        raise RunDirError(f"{path} has no env_id string or episodes count")
-    return config
-
-
-def _read_jsonl(
-    path: Path, notes: list[str], required: dict[str, tuple[type, ...]]
-) -> list[dict[str, Any]]:
-    """Each whole, parseable line of ``path`` that is an object with the ``required``
-    fields of their types (a bool is not taken for a number, nor a number for a bool)."""
-    if not path.exists():
-        return []
-    records = []
-    with path.open("rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.endswith(b"\n"):
-                notes.append(f"{path.name}: the last line is cut off (a killed run); skipped")
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                notes.append(f"{path.name}: line {number} is not JSON; skipped")
-                continue
-            bad = [key for key, kinds in required.items()
-                   if not isinstance(record, dict) or not _is(record.get(key, ...), kinds)]
-            if bad:
-                notes.append(f"{path.name}: line {number} has no valid {', '.join(bad)}; skipped")
-                continue
-            records.append(record)
-    return records
-
-
-def _is(value: Any, kinds: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):
-        return bool in kinds
-    return isinstance(value, kinds)
-
-
 def _read_rescore(path: Path, notes: list[str]) -> list[dict[str, Any]]:
+    """The episodes of a ``rescore.json`` that fit ``RESCORED_SCHEMA``; a file that is not
+    one is left out with a note, as is each episode that does not fit."""
     if not path.is_file():
         return []
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-        return [item for item in payload["episodes"] if isinstance(item.get("episode"), int)]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+        payload = read_json_file(path, MAX_RESCORE_BYTES)
+    except RunDirError as err:
+        notes.append(f"{path.name} is not shown: {err}")
+        return []
+    items = payload.get("episodes") if isinstance(payload, dict) else None
+    if not isinstance(items, list):
         notes.append(f"{path.name} is not a rescore file agent-gym wrote; not shown")
         return []
+    kept = [item for item in items if schema_problem(item, RESCORED_SCHEMA) is None]
+    if len(kept) < len(items):
+        notes.append(f"{path.name}: {len(items) - len(kept)} of its episodes are not "
+                     "readable; not shown")
+    return kept
+
+
+def check_output(out: Path, runs: Sequence[Run], allowed: str | None = None) -> None:
+    """Refuse ``out`` as the file a command writes when it is a directory or would land on
+    a file of a run the command reads (``RUN_FILES``, but ``allowed``): by its path, through
+    any symlink, or as another name (a hard link) of one. ``view --out RUN/episodes.jsonl``
+    wrote a report over the very log it showed."""
+    if out.is_dir():
+        raise RunDirError(f"{out} is a directory; give the file to write, such as "
+                          f"{out / 'report.html'}")
+    try:
+        target = out.resolve()
+    except (OSError, RuntimeError) as err:  # a symlink loop
+        raise RunDirError(f"cannot write {out}: {err}") from err
+    for run in runs:
+        for name in RUN_FILES:
+            own = run.path / name
+            if name != allowed and (target == own.resolve()
+                                    or (own.exists() and out.exists()
+                                        and os.path.samefile(out, own))):
+                raise RunDirError(f"{out} would overwrite {own}, a file of a run being "
+                                  "read; write to another file")

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from agent_gym.eval.config import EvalConfig
-from agent_gym.eval.runlog import EPISODES_FILE, RunLog
+from agent_gym.eval.runlog import (
+    EPISODE_SCHEMA,
+    EPISODES_FILE,
+    MAX_CONFIG_BYTES,
+    SUMMARY_FILE,
+    RunDirError,
+    read_json_file,
+    read_log,
+    record_key,
+)
 from agent_gym.eval.stats import (
     bootstrap_interval,
     pass_at_k,
@@ -263,13 +271,15 @@ def _figure(value: float | None, spec: str) -> str:
 def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary:
     """One policy's figures over several envs' runs (a suite): every task of every env
     counts once, and ``summarize`` computes the intervals over all of those tasks; as each
-    env's summary does, it covers every episode their directories hold."""
+    env's summary does, it covers every episode their directories hold (read, never
+    changed, as every reader of a run reads them: ``agent_gym.eval.runlog.read_log``)."""
     first = runs[0][0]
-    records = [
-        record
-        for _, _, out_dir in runs
-        for _, record in sorted(RunLog._recover(out_dir / EPISODES_FILE).items())
-    ]
+    records = []
+    for _, _, out_dir in runs:
+        kept: dict[tuple[int, int], dict[str, Any]] = {}
+        for _, record in read_log(out_dir / EPISODES_FILE, EPISODE_SCHEMA).records:
+            kept.setdefault(record_key(record), record)
+        records += [kept[key] for key in sorted(kept)]
     config = EvalConfig("overall", first.policy, max(c.episodes for c, _, _ in runs),
                         rollouts_per_task=min(s.rollouts_per_task for _, s, _ in runs),
                         max_tokens=first.max_tokens)
@@ -280,5 +290,16 @@ def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary
 
 
 def read_summary(out_dir: Path) -> Summary:
-    """A run's ``summary.json`` as written by ``evaluate``."""
-    return Summary(**json.loads((out_dir / "summary.json").read_text(encoding="utf-8")))
+    """A run's ``summary.json`` as written by ``evaluate``, read as untrusted input
+    (bounded, finite numbers; fields this version does not know left out). Its figures are
+    not checked one by one: ``agent_gym.eval.runs.read_run(out_dir).summary()`` recomputes
+    them from the episodes, as every command that shows a run does."""
+    payload = read_json_file(out_dir / SUMMARY_FILE, MAX_CONFIG_BYTES)
+    if not isinstance(payload, dict):
+        raise RunDirError(f"{out_dir / SUMMARY_FILE} is not a summary agent-gym wrote")
+    known = {f.name for f in fields(Summary)}
+    try:
+        return Summary(**{k: v for k, v in payload.items() if k in known})
+    except TypeError as err:
+        raise RunDirError(f"{out_dir / SUMMARY_FILE} is not a summary agent-gym wrote: "
+                          f"{err}") from err

@@ -4,6 +4,7 @@
 isolation (see its docstring for what is contained and how), ``process`` drives and kills
 one sandboxed worker, ``runner`` holds the two execution modes, ``forkserver`` the engine
 stateless calls run on by default, ``result`` what a call returns, ``config`` the limits,
+``memory`` the bound on all of a sandbox's processes together (a cgroup, else a watcher),
 and ``_worker`` is the program that runs inside (a worker, or the fork-server).
 """
 
@@ -16,11 +17,13 @@ from agent_gym.sandbox.config import (
 )
 from agent_gym.sandbox.forkserver import ForkServer
 from agent_gym.sandbox.launch import Launcher, find_bwrap
+from agent_gym.sandbox.memory import MEMORY_BOUNDS
 from agent_gym.sandbox.result import STATE_LOST, ExecResult
 from agent_gym.sandbox.runner import StatefulSandbox, StatelessSandbox, open_sandbox
 
 __all__ = [
     "ISOLATIONS",
+    "MEMORY_BOUNDS",
     "RLIMITS_WARNING",
     "STATE_LOST",
     "ExecResult",

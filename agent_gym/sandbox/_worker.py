@@ -550,10 +550,15 @@ def _spare(server: "_Server", sock: object, status_w: int) -> None:
             _isolate(server.kernel, server.config, server.trees)
             _child_limits(server.config, server.baseline)
             _fresh_state(server)
-            _, fds, _, _ = server.recv_fds(sock, 16, 4)
-            if len(fds) != 4:  # the server is shutting down
+            _, fds, _, _ = server.recv_fds(sock, 16, 5)
+            if len(fds) not in (4, 5):  # the server is shutting down
                 os._exit(0)
-            code_fd, stdout_fd, stderr_fd, outcome_fd = fds
+            code_fd, stdout_fd, stderr_fd, outcome_fd, *cgroup = fds
+            for door in cgroup:
+                # The call's memory cgroup, entered before the code is read: one thread
+                # moving itself takes no global lock (a move by pid waits ~10 ms).
+                os.write(door, b"0")
+                os.close(door)
             os.dup2(stdout_fd, 1)
             os.dup2(stderr_fd, 2)
             sock.close()
@@ -592,7 +597,9 @@ def _exit_words(status: int, usage: object, cpu_seconds: int) -> tuple:
             return ("crashed", f"killed by {signal.Signals(number).name}")
         except ValueError:
             return ("crashed", f"killed by signal {number}")
-    return ("crashed", f"exit code {os.waitstatus_to_exitcode(status)}")
+    code = os.waitstatus_to_exitcode(status)
+    # A call's child exits 0 once it has written its outcome line (which the host reads).
+    return ("exited",) if code == 0 else ("crashed", f"exit code {code}")
 
 
 class _Child:
@@ -687,31 +694,36 @@ class _Server:
             self.spares.append(self.fork())
 
     def dispatch(self, body: bytes, fds: list) -> None:
-        """Hand one request's files to a spare (forked now if none is left) and time it."""
-        *call_fds, verdict_w = fds  # the code, stdout, stderr and outcome files
+        """Hand one request's files to a spare (forked now if none is left) and time it.
+
+        The files are the code, stdout, stderr and outcome files, the verdict pipe, and,
+        when memory is bounded by cgroup, the door of the call's cgroup (``_spare``)."""
+        verdict_w = fds.pop(4)  # the rest are the child's
         try:
             child = self.spares.pop(0) if self.spares else self.fork()
         except OSError as exc:  # e.g. no more processes: this call fails, not the server
             _send(verdict_w, "fault", f"cannot start the call: {exc}")
-            for fd in fds:
+            for fd in [*fds, verdict_w]:
                 os.close(fd)
             return
         child.reply_w = verdict_w
         self.running.add(child)
         child.deadline = self.monotonic() + float(marshal.loads(body)["timeout"])
+        if self.config["announce"]:
+            _send(verdict_w, "pid", str(child.pid))
         try:
-            self.send_fds(child.sock, [b"run"], call_fds)
+            self.send_fds(child.sock, [b"run"], fds)
         except OSError:
             pass  # the spare died while idle; its exit answers this call
         finally:
             child.sock.close()
             child.sock = None
-            for fd in call_fds:
+            for fd in fds:
                 os.close(fd)
 
     def _answer(self, child: _Child, reply: tuple) -> None:
-        """Tell the host, once, how the call's child ended (it prefers the child's own
-        outcome line when there is one)."""
+        """Tell the host, once, how the call's child ended (when it exited by itself, the
+        host takes ok or error from the child's own outcome line)."""
         if child.reply_w is None:
             return
         try:  # noqa: SIM105 (contextlib would be one more import per call)
@@ -733,9 +745,10 @@ class _Server:
             data = ""
         os.close(child.status_r)
         words = data.split("\n")[0].split(" ", 1) if data.endswith("\n") else []
-        # Only a spare that has no call yet may report a fault: a call's child closes this
-        # pipe before model code runs, so a "fault" cannot be forged to blame the sandbox.
-        if words and words[0] == "fault" and child.reply_w is None:
+        # A call's child closes this pipe before model code runs, so a "fault" (a setup step
+        # that failed: its isolation, entering its cgroup) cannot be forged to blame the
+        # sandbox.
+        if words and words[0] == "fault":
             return tuple(words)
         return None
 
@@ -777,8 +790,12 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
     A request is one ``SOCK_SEQPACKET`` message: ``marshal({"timeout": s})`` with five fds:
     the code, stdout and stderr files, and the write ends of the call's outcome pipe (for
     the child's "ok" / "error <name>" line, straight to the host) and its verdict pipe (for
-    the server's word on how the child ended). The server enforces the timeout itself:
-    SIGKILL to the child, pid 1 of its namespace, takes its whole tree down.
+    the server's word on how the child ended, written once it has reaped the child: the
+    host ends the call on that alone); a sixth, when the host bounds memory by cgroup, is
+    the door of the call's cgroup, which the child enters. With ``announce`` the verdict
+    pipe first names the child (``pid N``) for the host's memory watcher. The server
+    enforces the timeout itself: SIGKILL to the child, pid 1 of its namespace, takes its
+    whole tree down.
     """
     import gc
     import socket
@@ -822,10 +839,10 @@ def _serve(config: dict, ctl_out: int, requests_fd: int) -> None:
         timeout = None if wait is None else max(0.0, wait - monotonic()) * 1000 + 1
         for fd, _ in poll(timeout):
             if fd == requests_fd:
-                body, fds, flags, _ = socket.recv_fds(sock, 4096, 5)
+                body, fds, flags, _ = socket.recv_fds(sock, 4096, 6)
                 if not body and not fds:
                     return  # the host closed its end; the children die with this process
-                if len(fds) == 5 and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                if len(fds) in (5, 6) and not flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
                     server.dispatch(body, fds)
                 else:
                     for extra in fds:
@@ -881,7 +898,9 @@ def main() -> None:
         _flush_streams()
         _send(ctl_out, status, error)
         if config["single"]:
-            return
+            # At once: the host ends the call when this process has exited (a reply alone
+            # could be the cell's), and nothing the cell registered runs after it.
+            os._exit(0)
         _take_reserve()
 
 

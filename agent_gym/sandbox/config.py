@@ -64,11 +64,14 @@ class Limits:
 
     ``timeout`` is wall time per call and is the limit that always holds; ``cpu_seconds`` is
     per call as well (a persistent worker gets that much more CPU time for every cell).
-    ``memory_bytes`` is ``RLIMIT_AS`` per process and ``processes`` caps the sandbox's
-    process count, so a sandbox can address at most their product. (A fork-server child
-    gets ``memory_bytes`` on top of the warm interpreter's own mappings, which it shares.
-    A persistent worker keeps 1 MB of it unused, given back when a cell runs out of memory,
-    so that the error is reported and the next cell can free what the last one kept.)
+    ``memory_bytes`` is ``RLIMIT_AS`` per process (one that asks for more gets a
+    ``MemoryError``) and, with a small allowance, the bound on all of a sandbox's processes
+    together: a cgroup's limit or the watcher's (``memory.held_limit``; the cgroup also
+    counts the ``/tmp`` and ``/dev/shm`` files). ``processes`` caps their number.
+    (A fork-server child gets ``memory_bytes`` on top of the warm interpreter's own
+    mappings, which it shares. A persistent worker keeps 1 MB of it unused, given back
+    when a cell runs out of memory, so that the error is reported and the next cell can
+    free what the last one kept.)
     ``file_bytes`` caps every file the code writes, including its captured stdout and
     stderr; ``output_bytes`` is the tail of each stream that is read back.
     """

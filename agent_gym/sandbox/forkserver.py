@@ -18,7 +18,11 @@ pid namespace of its own, private mount, IPC and network namespaces with an empt
 capabilities, rlimits, and only its own output files open. Its death takes every process it
 started with it, so nothing of a call outlives it, and each call starts from the server's
 untouched memory image, so nothing a call changes (files, environment, modules, signal
-handlers) reaches the next one.
+handlers) reaches the next one. A call ends when the server has reaped its child, never on
+a line the call's own code could have written (``_await_answer``). Its memory is bounded
+for all its processes together (``memory``): the child enters a cgroup of the call's own (a
+reused one: making one per call cost ~0.1 ms) before it reads its code, or the host's
+watcher watches it.
 
 A server is trusted code and model code never runs in it; the host still treats it as
 something that can fail. It is replaced when it dies, when it stops answering within a
@@ -39,9 +43,10 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from agent_gym.sandbox.config import (
     FORKSERVER_MATH_STACK,
@@ -50,6 +55,7 @@ from agent_gym.sandbox.config import (
     encode_code,
 )
 from agent_gym.sandbox.launch import Launcher
+from agent_gym.sandbox.memory import Bound, Cgroup, Watch, cgroup_limit
 from agent_gym.sandbox.process import WorkerProcess, output_file, reaper
 from agent_gym.sandbox.result import ExecResult, Status, collect
 
@@ -73,17 +79,25 @@ def warmth(code: str) -> Warmth:
 
 
 class _Server:
-    """One running fork-server: its sandbox and the host pid of the server process in it."""
+    """One running fork-server: its sandbox and the host pid of the server process in it.
 
-    def __init__(self, worker: WorkerProcess, pid: int) -> None:
+    ``warm`` is its resident memory once warm: the most of it a call's child can copy, which
+    the call's memory bound allows on top of the code's own.
+    """
+
+    def __init__(self, worker: WorkerProcess, pid: int, kind: Warmth) -> None:
         self.worker = worker
         self.pid = pid
+        self.kind = kind
         self.pidfd = os.pidfd_open(pid)
         # Kept open and read from its start before every call (the kernel writes it anew):
         # no path to build, open and close each time.
         self.status = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         assert worker.requests is not None
         self.requests = worker.requests
+        status = os.pread(self.status, 1 << 14, 0).decode()
+        self.warm = next(int(line.split()[1]) << 10 for line in status.splitlines()
+                         if line.startswith("VmRSS:"))
 
     def healthy(self) -> bool:
         """Alive, not stopped or traced, and still single-threaded (see the module docstring)."""
@@ -99,49 +113,96 @@ class _Server:
             and b"\nThreads:\t1\n" in status
         )
 
+    def child(self, pid: int) -> int | None:
+        """The host pid of the server's child that is ``pid`` in the server's namespace."""
+        try:
+            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        except OSError:  # the server is gone: so is the child
+            return None
+        for host_pid in children:
+            try:
+                status = Path(f"/proc/{host_pid}/status").read_text()
+            except OSError:
+                continue
+            nspids = next((line.split()[1:] for line in status.splitlines()
+                           if line.startswith("NSpid:")), [])
+            # The child is pid 1 of a namespace of its own, one level below the server's.
+            if len(nspids) >= 2 and nspids[-2] == str(pid):
+                return int(host_pid)
+        return None
+
     def close(self) -> None:
         self.worker.close()
         os.close(self.pidfd)
         os.close(self.status)
 
 
-def _first_line(data: bytes) -> str | None:
-    end = data.find(b"\n")
-    return None if end < 0 else data[:end].decode("utf-8", errors="replace")
+class _Answer(NamedTuple):
+    """What a call's pipes said: the server's verdict on how its child ended (``None`` if
+    the server died first, ``""`` at the deadline) and the last line the child wrote on its
+    outcome pipe, if any."""
+
+    verdict: str | None
+    outcome: str | None
+
+    @property
+    def ended(self) -> bool:
+        """The server said how the child ended: it has reaped it, so the call's processes
+        are all gone (anything else is a server that died, hangs or broke its protocol)."""
+        return (self.verdict or "").partition(" ")[0] in ("exited", "timeout", "crashed", "fault")
 
 
-def _await_answer(outcome: int, verdict: int, deadline: float) -> str | None:
-    """A call's answer: the child's own ``ok`` / ``error <name>`` line as soon as it comes
-    (straight from the child, one wake-up less than through the server), else the server's
-    word on how the child ended. ``None`` if the server died first, ``""`` at the deadline.
+def _last_line(data: bytes) -> str | None:
+    lines = data.split(b"\n")
+    return lines[-2].decode("utf-8", errors="replace") if len(lines) > 1 else None
 
-    The outcome pipe is one model code can write to as well, so only those two words are
-    taken from it; anything else waits for the server, whose pipe the child never holds.
+
+def _await_answer(
+    outcome: int, verdict: int, deadline: float, announced: Callable[[int], None] | None
+) -> _Answer:
+    """Wait for the server's verdict, which it writes once it has reaped the call's child:
+    the child is pid 1 of its namespace, so every process of the call is gone by then.
+
+    The outcome pipe carries the child's ``ok`` / ``error <name>`` line, written as its
+    last act; model code can write to that pipe too, so what it says is read only after the
+    verdict, and a line the code forges can misreport its own call but never end it early.
+    It is drained all along (a full pipe would block the child) and only its tail kept. A
+    ``pid N`` line before the verdict names the child, for the memory watcher
+    (``announced``).
     """
-    buffers = {outcome: b"", verdict: b""}
-    watching = {outcome, verdict}
+    tail = verdict_data = b""
+    watching = [outcome, verdict]
     while True:
-        line = _first_line(buffers[outcome])
-        if line is not None and line.partition(" ")[0] in ("ok", "error"):
-            return line
-        line = _first_line(buffers[verdict])
-        if line is not None and outcome in watching and select.select([outcome], [], [], 0)[0]:
-            watching.discard(outcome)  # what the child wrote before it ended comes first
-            buffers[outcome] += os.read(outcome, _MAX_REPLY)
-            continue
-        if line is not None:
-            return line
+        line, newline, rest = verdict_data.partition(b"\n")
+        if newline:
+            text = line.decode("utf-8", errors="replace")
+            word, _, number = text.partition(" ")
+            if word == "pid" and number.isdigit() and announced is not None:
+                announced(int(number))
+                verdict_data = rest
+                continue
+            while outcome in watching and select.select([outcome], [], [], 0)[0]:
+                chunk = os.read(outcome, _MAX_REPLY)
+                if not chunk:
+                    break
+                tail = (tail + chunk)[-_MAX_REPLY:]
+            return _Answer(text, _last_line(tail))
         if verdict not in watching:
-            return None
+            return _Answer(None, None)
+        if len(verdict_data) > _MAX_REPLY:  # no server of ours writes this
+            return _Answer(verdict_data[:80].decode("utf-8", errors="replace"), None)
         remaining = deadline - time.monotonic()
-        ready = select.select(list(watching), [], [], remaining)[0] if remaining > 0 else []
+        ready = select.select(watching, [], [], remaining)[0] if remaining > 0 else []
         if not ready:
-            return ""
+            return _Answer("", None)
         for fd in ready:
             chunk = os.read(fd, _MAX_REPLY)
-            buffers[fd] += chunk
-            if not chunk or len(buffers[fd]) > _MAX_REPLY:
-                watching.discard(fd)
+            if not chunk:
+                watching.remove(fd)
+            elif fd == outcome:
+                tail = (tail + chunk)[-_MAX_REPLY:]
+            else:
+                verdict_data += chunk
 
 
 class ForkServer:
@@ -153,6 +214,8 @@ class ForkServer:
         self.launcher = launcher
         self.restarts = 0
         self._servers: dict[Warmth, _Server | None] = {"lean": None, "math": None}
+        # The calls' cgroups no call is using (all their processes gone), by server kind.
+        self._cgroups: dict[Warmth, list[Cgroup]] = {"lean": [], "math": []}
         self._retiring: set[Future[None]] = set()
         # Reentrant: a retired server's done-callback may run at once, inside _retire.
         self._lock = threading.RLock()
@@ -175,7 +238,7 @@ class ForkServer:
             children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
             if len(children) != 1:
                 raise SandboxError("the fork-server's sandbox does not hold exactly one server")
-            return _Server(worker, int(children[0]))
+            return _Server(worker, int(children[0]), kind)
         except BaseException:
             worker.close()
             raise
@@ -233,6 +296,38 @@ class ForkServer:
             if server in self._servers.values():
                 self._replace(server, "stopped answering")
 
+    def _bound(self, server: _Server) -> Bound:
+        """A call's memory bound: an unused cgroup of its server's kind (made if there is
+        none, or if its server's warm memory changed), or a watch."""
+        limits = self.launcher.limits
+        if self.launcher.memory_bound == "watcher":
+            return self.launcher.memory.bound(limits, server.warm)
+        with self._lock:
+            cgroup = self._cgroups[server.kind].pop() if self._cgroups[server.kind] else None
+        if cgroup is not None and cgroup.limit == cgroup_limit(limits, server.warm):
+            return cgroup
+        if cgroup is not None:
+            cgroup.close()
+        return self.launcher.memory.bound(limits, server.warm)
+
+    def _release(self, server: _Server, bound: Bound, ended: bool) -> None:
+        """After a call: a cgroup whose call ``ended`` (its processes are gone) is kept for
+        the next call; otherwise it is removed once its server has been torn down (it is
+        queued after the server on the reaper thread)."""
+        if isinstance(bound, Cgroup) and ended:
+            bound.rearm()
+            with self._lock:
+                if not self._closed:
+                    self._cgroups[server.kind].append(bound)
+                    return
+        if isinstance(bound, Cgroup) and not ended:
+            with self._lock:
+                future = reaper().submit(bound.close)
+                self._retiring.add(future)
+            future.add_done_callback(self._retired)
+            return
+        bound.close()
+
     def run(self, code: str, timeout: float) -> ExecResult:
         """Run ``code`` in a fresh child; ``timeout`` is its wall time in seconds."""
         data = encode_code(code)
@@ -260,60 +355,94 @@ class ForkServer:
                 server = self._current(kind)
                 for fd in files:
                     os.ftruncate(fd, 0)
-                outcome_r, outcome_w = os.pipe2(os.O_CLOEXEC)
-                verdict_r, verdict_w = os.pipe2(os.O_CLOEXEC)
+                bound = self._bound(server)
+                answer = _Answer(None, None)
                 try:
-                    try:
-                        request = [marshal.dumps({"timeout": timeout})]
-                        fds = [source, *files, outcome_w, verdict_w]
-                        socket.send_fds(server.requests, request, fds)
-                        sent = True
-                    except OSError:
-                        sent = False
-                    finally:  # the server holds the only other copies: EOF if it dies
-                        os.close(outcome_w)
-                        os.close(verdict_w)
-                    started = time.monotonic()
-                    deadline = started + timeout + GRACE
-                    reply = _await_answer(outcome_r, verdict_r, deadline) if sent else None
-                    duration = time.monotonic() - started
+                    answer, duration = self._call(server, bound, source, files, timeout)
+                    # The bound kills with SIGKILL (as the CPU limit does, which the server
+                    # names as such).
+                    killed = answer.verdict == "crashed killed by SIGKILL"
+                    exceeded = killed and bound.exceeded()
                 finally:
-                    os.close(outcome_r)
-                    os.close(verdict_r)
-                if reply is None and attempt == 1:
-                    self._discard(server)
+                    if not answer.ended:  # the server is dead, stuck or broken: it goes first
+                        self._discard(server)
+                    self._release(server, bound, ended=answer.ended)
+                if answer.verdict is None and attempt == 1:
                     continue
-                return self._result(server, reply, files, timeout, duration)
+                return self._result(answer, bound, exceeded, files, timeout, duration)
             raise AssertionError("unreachable")
         finally:
             os.close(source)
 
+    def _call(
+        self, server: _Server, bound: Bound, source: int, files: tuple[int, int], timeout: float
+    ) -> tuple[_Answer, float]:
+        """Hand one call to ``server`` and wait for its answer and how long it took."""
+        outcome_r, outcome_w = os.pipe2(os.O_CLOEXEC)
+        verdict_r, verdict_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            try:
+                request = [marshal.dumps({"timeout": timeout})]
+                fds = [source, *files, outcome_w, verdict_w]
+                if isinstance(bound, Cgroup):
+                    fds.append(bound.door)  # the child enters before it reads its code
+                socket.send_fds(server.requests, request, fds)
+                sent = True
+            except OSError:
+                sent = False
+            finally:  # the server holds the only other copies: EOF if it dies
+                os.close(outcome_w)
+                os.close(verdict_w)
+            announced = None
+            if isinstance(bound, Watch):
+
+                def announced(pid: int) -> None:
+                    child = server.child(pid)
+                    if child is not None:
+                        bound.start(child)  # SIGKILL to it takes its whole namespace
+
+            started = time.monotonic()
+            deadline = started + timeout + GRACE
+            answer = (
+                _await_answer(outcome_r, verdict_r, deadline, announced)
+                if sent
+                else _Answer(None, None)
+            )
+            return answer, time.monotonic() - started
+        finally:
+            os.close(outcome_r)
+            os.close(verdict_r)
+
     def _result(
         self,
-        server: _Server,
-        reply: str | None,
+        answer: _Answer,
+        bound: Bound,
+        exceeded: bool,
         files: tuple[int, int],
         timeout: float,
         duration: float,
     ) -> ExecResult:
+        reply = answer.verdict
         word, _, rest = (reply or "").partition(" ")
+        outcome_word, _, name = (answer.outcome or "").partition(" ")
         status: Status
         error: str | None
         if reply is None or reply == "":
             # EOF: the server died mid-call. No answer in time: it is stuck or was stopped.
-            self._discard(server)
             status = "crashed" if reply is None else "timeout"
             error = "the sandbox's fork-server died" if reply is None else "TimeoutError"
-        elif word in ("ok", "error"):
-            status, error = word, rest.strip() or None
+        elif word == "exited" and outcome_word in ("ok", "error"):
+            status = "ok" if outcome_word == "ok" else "error"
+            error = name.strip() or None
+        elif word == "exited":  # it ended itself (os._exit(0)) before its outcome line
+            status, error = "crashed", "exit code 0"
         elif word == "timeout":
             status, error = "timeout", "TimeoutError"
         elif word == "crashed" and rest:
-            status, error = "crashed", rest
+            status, error = "crashed", bound.description() if exceeded else rest
         elif word == "fault":
             raise SandboxError(f"the sandbox fork-server could not run the call: {rest}")
         else:
-            self._discard(server)
             raise SandboxError(f"the sandbox fork-server broke its protocol: {reply[:80]!r}")
         return collect(status, error, files, self.launcher.limits, timeout, duration)
 
@@ -326,4 +455,8 @@ class ForkServer:
                 if server is not None:
                     self._retire(server)
             retiring = list(self._retiring)
+            idle = [c for pool in self._cgroups.values() for c in pool]
+            self._cgroups = {"lean": [], "math": []}
         wait(retiring)
+        for cgroup in idle:
+            cgroup.close()

@@ -7,7 +7,9 @@ environment, a read-only ``/usr`` and interpreter, a read-only root, a private s
 ``/tmp`` and a fresh ``/proc``; the worker program (``_worker.py``) applies the rlimits to
 itself before it reads any model code. Output goes to capped in-memory files. When the host
 is root, every sandbox is forked into a "nursery" pid namespace that dies with this process
-(``process.enter_nursery``); waiting and killing are in ``process`` too.
+(``process.enter_nursery``); waiting and killing are in ``process`` too. Each sandbox's
+memory is bounded as a whole as well, all its processes together (``memory``): it joins its
+cgroup before bwrap is executed, or the watcher starts watching it.
 
 ``spawn(forkserver=True)`` starts the fork-server program in a variant of that sandbox
 (see ``_FORKSERVER_FLAGS`` and ``forkserver``).
@@ -50,11 +52,13 @@ from agent_gym.sandbox.config import (
     Limits,
     SandboxError,
 )
+from agent_gym.sandbox.memory import Cgroup, SandboxMemory, Watch
 from agent_gym.sandbox.process import (
     TIMEOUT,
     WorkerProcess,
     enter_nursery,
     output_file,
+    reaper,
     spawner,
 )
 
@@ -156,8 +160,11 @@ def _check(result: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def _root_child_setup(staging: _Staging, uid: int) -> Callable[[], None]:
-    """The ``preexec_fn`` of a root host: private mounts, hidden paths, then the uid drop.
+def _root_child_setup(
+    staging: _Staging, uid: int, cgroup: Cgroup | None
+) -> Callable[[], None]:
+    """The ``preexec_fn`` of a root host: the sandbox's cgroup, private mounts, hidden
+    paths, then the uid drop.
 
     The child (still root, already in the nursery pid namespace) enters a private mount
     namespace and mounts a ``/proc`` of the nursery, because bwrap looks its sandbox's pid
@@ -167,6 +174,8 @@ def _root_child_setup(staging: _Staging, uid: int) -> Callable[[], None]:
     """
 
     def preexec() -> None:
+        if cgroup is not None:
+            cgroup.join()
         _check(_libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private /")
         proc_flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
@@ -201,6 +210,7 @@ class Launcher:
         limits: Limits | None = None,
         python: str | None = None,
         preload: Sequence[str] = (),
+        memory_bound: str = "auto",
     ) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
@@ -228,6 +238,10 @@ class Launcher:
             self.warning = RLIMITS_WARNING
             warnings.warn(RLIMITS_WARNING, RuntimeWarning, stacklevel=2)
             log.warning(RLIMITS_WARNING)
+        self.memory = SandboxMemory(memory_bound)
+        # "cgroup-v1", "cgroup-v2" or "watcher": how each sandbox's memory is bounded.
+        self.memory_bound = self.memory.mechanism
+        log.info("sandbox memory: %s", self.memory.describe(self.limits))
 
     def _worker_config(
         self, single: bool, forkserver: bool, warm: Sequence[str]
@@ -240,6 +254,8 @@ class Launcher:
             "forkserver": forkserver,
             "spares": FORKSERVER_SPARES,
             "path": self._site_paths or [],
+            # The fork-server names each call's child (its pid) for the watcher to find.
+            "announce": forkserver and self.memory_bound == "watcher",
         }
 
     def _worker_argv(self, ctl_in: int, ctl_out: int, requests: int | None) -> list[str]:
@@ -299,7 +315,9 @@ class Launcher:
 
         ``forkserver=True`` starts the fork-server program instead (bwrap isolation only),
         with a ``SOCK_SEQPACKET`` socket for its requests as ``WorkerProcess.requests``; it
-        imports the modules of ``warm`` that are installed before it forks any call.
+        imports the modules of ``warm`` that are installed before it forks any call. A
+        worker's memory is bounded as a whole; a fork-server's is not (it runs no model code),
+        each of its calls is (``forkserver``).
         """
         if forkserver and self._bwrap is None:
             raise ValueError("the fork-server needs isolation='bwrap'")
@@ -325,9 +343,14 @@ class Launcher:
                 os.chown(workdir, self._uid, self._uid)
             env = {**SANDBOX_ENV, "HOME": workdir, "TMPDIR": workdir}
             cwd = workdir
+        memory = None if forkserver else self.memory.bound(self.limits)
+        cgroup = memory if isinstance(memory, Cgroup) else None
         # Root: a preexec_fn (so fork, not vfork) for the mounts and the uid drop. Otherwise
-        # the sandbox runs as the caller and Popen can vfork.
-        root_setup = _root_child_setup(self._staging, self._uid) if self._uid is not None else None
+        # the sandbox runs as the caller and Popen can vfork, unless it joins a cgroup.
+        if self._uid is not None:
+            preexec: Callable[[], None] | None = _root_child_setup(self._staging, self._uid, cgroup)
+        else:
+            preexec = cgroup.join if cgroup is not None else None
 
         def start() -> subprocess.Popen[bytes]:
             enter_nursery()
@@ -340,7 +363,7 @@ class Launcher:
                 cwd=cwd,
                 pass_fds=child_fds,
                 start_new_session=True,
-                preexec_fn=root_setup,
+                preexec_fn=preexec,
             )
 
         try:
@@ -355,6 +378,8 @@ class Launcher:
                 host_end.close()
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
+            if memory is not None:
+                memory.close()
             raise
         finally:
             if server_end is not None:
@@ -376,7 +401,10 @@ class Launcher:
             isolation=self.isolation,
             limits=self.limits,
             requests=host_end,
+            memory=memory,
         )
+        if isinstance(memory, Watch):
+            memory.start(popen.pid, kill=lambda: reaper().submit(worker.terminate))
         # The configuration is the first request; it fits in the pipe buffer, so this
         # returns at once even though the worker is still starting.
         config = self._worker_config(single, forkserver, warm)
@@ -385,7 +413,8 @@ class Launcher:
 
     def probe(self) -> None:
         """Start one worker (once per process and configuration); raise if that fails."""
-        key = (self.isolation, self.python, self._bwrap, self.preload, self.limits)
+        key = (self.isolation, self.python, self._bwrap, self.preload, self.limits,
+               self.memory_bound)
         if key in _probed:
             return
         worker = self.spawn(single=True)

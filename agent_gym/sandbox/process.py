@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent_gym.sandbox.config import Isolation, Limits
+from agent_gym.sandbox.memory import Bound
 
 _MAX_REPLY = 4096
 
@@ -224,8 +225,10 @@ class WorkerProcess:
         isolation: Isolation,
         limits: Limits,
         requests: socket.socket | None = None,
+        memory: Bound | None = None,
     ) -> None:
         self.popen = popen
+        self.memory = memory
         self.requests = requests
         self.pidfd = os.pidfd_open(popen.pid)
         self.isolation = isolation
@@ -358,11 +361,23 @@ class WorkerProcess:
         return read_tail(self._stdout if which == "stdout" else self._stderr, self.limits)
 
     def exit_description(self) -> str:
-        """Why a worker died, in words a model can act on."""
+        """Why a worker died, in words a model can act on.
+
+        Its memory bound kills with SIGKILL, and says so before the kill (which may still
+        be under way: no exit status yet); an earlier kill of one of a notebook's other
+        processes does not explain another death."""
         code = self.popen.poll()
         if code is None:
+            number = 0
+        elif code < 0:
+            number = -code
+        else:  # bwrap reports a signal as 128 + its number
+            number = code - 128 if self.isolation == "bwrap" else 0
+        killed = code is None or number == signal.SIGKILL
+        if killed and self.memory is not None and self.memory.exceeded():
+            return self.memory.description()
+        if code is None:
             return "it stopped answering"
-        number = -code if code < 0 else code - 128 if self.isolation == "bwrap" else 0
         if number == signal.SIGXCPU:
             return f"CPU time limit of {self.limits.cpu_seconds} s exceeded"
         if number > 0:
@@ -379,6 +394,22 @@ class WorkerProcess:
         if self.popen.poll() is None:
             select.select([self.pidfd], [], [], timeout)
         return self.popen.poll()
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Whether the sandbox ended by itself within ``timeout``, every process of it.
+
+        bwrap exits as soon as its namespace's init reports the worker's exit; the init (and
+        with it everything left in the namespace, which the kernel kills when it dies) is
+        gone only later, so that is waited for too. Without a namespace (``rlimits``) it is
+        the worker alone.
+        """
+        deadline = time.monotonic() + timeout
+        if self.wait_exit(timeout) is None:
+            return False
+        if self._inner_pidfd is None:
+            return True
+        remaining = max(0.0, deadline - time.monotonic())
+        return bool(select.select([self._inner_pidfd], [], [], remaining)[0])
 
     def terminate(self) -> None:
         """Kill the whole tree and wait until every process of it is gone; idempotent.
@@ -408,6 +439,8 @@ class WorkerProcess:
         with suppress(ProcessLookupError):
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         self.popen.wait()
+        if self.memory is not None:
+            self.memory.close()  # every process of the sandbox is gone
         for fd in (self.pidfd, self._ctl_w, self._ctl_r, self._info_r, self._inner_pidfd):
             if fd is not None:
                 os.close(fd)

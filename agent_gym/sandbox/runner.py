@@ -29,8 +29,17 @@ from agent_gym.sandbox.result import ExecResult, Status, collect
 log = logging.getLogger(__name__)
 
 
-def _execute(launcher: Launcher, worker: WorkerProcess, code: str, timeout: float) -> ExecResult:
-    """Send one cell to ``worker`` and collect its result; the worker may be left dead."""
+def _execute(
+    launcher: Launcher, worker: WorkerProcess, code: str, timeout: float, *, single: bool
+) -> ExecResult:
+    """Send one cell to ``worker`` and collect its result; the worker may be left dead.
+
+    A ``single`` (stateless) worker's call ends only once its whole sandbox has ended: the
+    reply comes on a pipe the cell's code can also write to, and a forged one must not end
+    the call while the code still runs (on, outside any call, until the worker is torn
+    down). A notebook's reply cannot be checked that way; its worker
+    lives on between cells by design, within its memory bound and per-cell CPU budget.
+    """
     encode_code(code)
     limits = launcher.limits
     worker.clear_output()
@@ -38,6 +47,12 @@ def _execute(launcher: Launcher, worker: WorkerProcess, code: str, timeout: floa
     launcher.wait_ready(worker)
     started = time.monotonic()
     reply = worker.receive(started + timeout) if sent else None
+    if (
+        single
+        and isinstance(reply, str)
+        and not worker.wait_gone(max(0.0, started + timeout - time.monotonic()))
+    ):
+        reply = TIMEOUT  # it answered, but its code is still running
     duration = time.monotonic() - started
     if reply is TIMEOUT:
         worker.terminate()
@@ -95,6 +110,11 @@ class StatelessSandbox:
         return self.launcher.isolation
 
     @property
+    def memory_bound(self) -> str:
+        """How its memory is bounded as a whole: "cgroup-v1", "cgroup-v2" or "watcher"."""
+        return self.launcher.memory_bound
+
+    @property
     def engine(self) -> str:
         return "per-call" if self.forkserver is None else "forkserver"
 
@@ -111,7 +131,7 @@ class StatelessSandbox:
             return self.forkserver.run(code, seconds)
         worker = self._acquire()
         try:
-            return _execute(self.launcher, worker, code, seconds)
+            return _execute(self.launcher, worker, code, seconds, single=True)
         finally:
             self._retire(worker)
 
@@ -208,6 +228,11 @@ class StatefulSandbox:
     def isolation(self) -> str:
         return self.launcher.isolation
 
+    @property
+    def memory_bound(self) -> str:
+        """How its memory is bounded as a whole: "cgroup-v1", "cgroup-v2" or "watcher"."""
+        return self.launcher.memory_bound
+
     def reset(self) -> None:
         """Drop all state and start a fresh interpreter (it warms up in the background)."""
         with self._lock:
@@ -228,7 +253,7 @@ class StatefulSandbox:
                 self._replace_worker()
             assert self._worker is not None
             try:
-                result = _execute(self.launcher, self._worker, code, seconds)
+                result = _execute(self.launcher, self._worker, code, seconds, single=False)
             except SandboxError:
                 # It did not start (or broke its protocol) and is closed: the next call must
                 # start a fresh interpreter, not reuse a dead one.
@@ -264,6 +289,7 @@ def open_sandbox(
     preload: Sequence[str] = (),
     python: str | None = None,
     forkserver: bool | None = None,
+    memory_bound: str = "auto",
 ) -> StatelessSandbox | StatefulSandbox:
     """A sandbox in ``mode`` ('stateless' or 'stateful'), checked to start on this host.
 
@@ -275,12 +301,23 @@ def open_sandbox(
 
     Raises ``IsolationUnavailableError`` when bwrap cannot run, unless the caller opted in to
     ``isolation='rlimits'`` (which warns, and reports itself through ``.isolation``).
+
+    Each sandbox (each call, on the fork-server) is bounded in memory as a whole, all its
+    processes together (``agent_gym.sandbox.memory``): by a cgroup where this host allows
+    one (``memory_bound="auto"``; ``"cgroup"`` raises where it does not), else by a
+    watcher thread (``"watcher"`` forces it); ``.memory_bound`` says which.
     """
     if mode not in ("stateless", "stateful"):
         raise ValueError(f"mode must be 'stateless' or 'stateful', got {mode!r}")
     if forkserver and (mode != "stateless" or isolation != "bwrap"):
         raise ValueError("forkserver=True needs mode='stateless' and isolation='bwrap'")
-    launcher = Launcher(isolation=isolation, limits=limits, python=python, preload=preload)
+    launcher = Launcher(
+        isolation=isolation,
+        limits=limits,
+        python=python,
+        preload=preload,
+        memory_bound=memory_bound,
+    )
     launcher.probe()
     if mode == "stateless" and isolation == "bwrap" and forkserver is not False:
         server = ForkServer(launcher)

@@ -17,6 +17,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from agent_gym import untrusted
 from agent_gym.search.passages import SearchBackend, SearchError
 
 log = logging.getLogger(__name__)
@@ -65,9 +66,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _read_request(self) -> tuple[list[str], int, bool]:
         """Parse and validate the body; ValueError carries the message sent back to the client."""
         try:
-            body = json.loads(self.rfile.read(self._content_length()) or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"request body is not JSON: {exc}") from None
+            body = untrusted.loads(self.rfile.read(self._content_length()) or b"null")
+        except untrusted.UntrustedJSONError as exc:
+            raise ValueError(f"request body is not JSON this server reads: it {exc}") from None
         if not isinstance(body, dict):
             raise ValueError('expected a JSON object {"queries": [...], "topk": k}')
         queries, topk = body.get("queries"), body.get("topk")

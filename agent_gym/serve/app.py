@@ -20,9 +20,19 @@ Extensions inside the spec: ``reset`` data may carry ``state`` (an ``EnvState`` 
 ``save_state``) to restore mid-episode, or ``task_id`` / ``index`` to pick a task; the
 ``state`` reply carries the session's current ``EnvState`` as ``env_state``.
 
+Privileged info (reference answers, oracle actions, walkthroughs, gold passages) is never
+in an observation: clients such as verifiers' OpenEnv env show the model the whole of it.
+A critic or oracle asks for the current episode's with the critic token the server was
+started with (``--critic-token-env``): a ``{"type": "privileged", "data": {"critic_token":
+...}}`` frame on the session's WebSocket, or ``POST /privileged`` with ``session_id`` and
+``critic_token``. Without a critic token the server gives it to no one.
+
 Trust: the server builds every env from its own ``env_id`` and ``--env-arg`` settings. A
 client's state is only a list of actions to replay: one saved from an env with other
 settings (sandbox isolation, limits, paths, backends) is refused, never used to build one.
+With a token (``--token-env``) every route but ``/health`` needs it, the API's own docs
+(``/docs``, ``/redoc``, ``/openapi.json``) included; without one the server listens on
+loopback only, unless told explicitly that anyone who reaches it may use it.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
+import ipaddress
 import logging
 import sys
 import warnings
@@ -44,16 +54,19 @@ from agent_gym.extras import install_hint
 try:
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import Response
+    from starlette.types import ASGIApp, Receive, Scope, Send
 except ImportError as err:  # the server's stack is an optional extra
     raise ImportError(f"agent-gym serve needs FastAPI: {install_hint('serve')}") from err
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
+from agent_gym import untrusted
 from agent_gym.serve.sessions import ServerConfig, Session, SessionPool
 from agent_gym.serve.wire import (
     ACTION_SCHEMA,
     EXECUTION_ERROR,
     INVALID_JSON,
     OBSERVATION_SCHEMA,
+    PRIVILEGED,
     REQUEST_TOO_LARGE,
     SESSION_ERROR,
     STATE_SCHEMA,
@@ -67,6 +80,15 @@ from agent_gym.serve.wire import (
 )
 
 log = logging.getLogger(__name__)
+
+# Env calls run in worker threads (``SessionPool``), and one computing in Python holds the
+# GIL: each time the event loop wakes it waits for the GIL up to Python's switch interval,
+# 5 ms by default, several times per reply (a /health took 17 ms instead of 2 while one
+# client's step computed). A server process hands the GIL over ten times sooner.
+GIL_SWITCH_INTERVAL_S = 0.0005
+# Bodies and frames up to this size are parsed on the event loop (well under a millisecond);
+# larger ones in a worker thread: checking a 4 MiB one takes about 60 ms.
+INLINE_PARSE_BYTES = 64 << 10
 
 
 class JSONText(Response):
@@ -105,6 +127,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             await pool.shutdown()
 
     app = FastAPI(title=f"agent-gym {config.env_id}", version=_version(), lifespan=lifespan)
+    if config.token is not None:
+        app.add_middleware(RequireToken, token=config.token)
     app.state.pool = pool
     add_http_routes(app, pool)
     add_mcp_route(app, pool)
@@ -112,11 +136,74 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-def authorized(headers: Mapping[str, str], token: str | None) -> bool:
-    if token is None:
+# --------------------------------------------------------------------- authentication
+OPEN_PATHS = frozenset({"/health"})  # for load balancers and orchestrators' probes
+
+
+class RequireToken:
+    """ASGI middleware: every request but ``OPEN_PATHS`` carries ``Authorization: Bearer
+    <token>``, or is refused before any route sees it.
+
+    At the app's edge rather than in each route, so nothing is left open by being added
+    later or by coming from FastAPI itself (the docs and the OpenAPI schema). The header is
+    compared as bytes: a client's non-ASCII token is a wrong token, not an error."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS or \
+                self.authorized(scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        refusal = ProtocolError(UNAUTHORIZED, "missing or wrong bearer token", status=401)
+        if scope["type"] == "http":
+            reply = JSONText({"detail": refusal.payload()}, status_code=refusal.status,
+                             headers={"www-authenticate": "Bearer"})
+            await reply(scope, receive, send)
+            return
+        # A WebSocket client is told why as OpenEnv's clients read it: an error frame.
+        if (await receive())["type"] == "websocket.connect":
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.send", "text": error_frame(refusal)})
+            await send({"type": "websocket.close", "code": 1008})
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        value = next((value for name, value in headers if name == b"authorization"), b"")
+        scheme, _, given = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (a name other than localhost
+    may resolve to anything, so it is not)."""
+    if host == "localhost":
         return True
-    scheme, _, given = headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_critic(config: ServerConfig, data: Any) -> None:
+    """Refuse a ``privileged`` request unless its ``critic_token`` is the server's.
+
+    The token travels in the request rather than in a header so that any client of the
+    protocol can send it, OpenEnv's included, whose WebSocket has no headers to set."""
+    if config.critic_token is None:
+        raise ProtocolError(UNAUTHORIZED, "this server gives privileged info to no one: start "
+                            "it with --critic-token-env VAR to serve critics", status=403)
+    given = data.get("critic_token") if isinstance(data, Mapping) else None
+    if not isinstance(given, str) or not hmac.compare_digest(
+            given.encode("utf-8", errors="surrogatepass"), config.critic_token.encode("utf-8")):
+        raise ProtocolError(UNAUTHORIZED, "a privileged request needs the server's critic "
+                            "token in 'critic_token' (missing or wrong)", status=403)
+
+
+class ExposureError(ValueError):
+    """Listening where others can reach the server, without a token and without being
+    told that this is meant."""
 
 
 # --------------------------------------------------------------------- HTTP
@@ -126,17 +213,10 @@ def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
     config = pool.config
 
     async def guarded(request: Request, handler: Callable[[Any], Awaitable[Any]]) -> JSONText:
-        """Authenticate, read the body within the size limit, map refusals to errors."""
+        """Read the body within the size limit, map refusals to errors."""
         try:
-            if not authorized(request.headers, config.token):
-                raise ProtocolError(UNAUTHORIZED, "missing or wrong bearer token", status=401)
             body = await read_body(request, config.max_request_bytes)
-            payload: Any = {}
-            if body.strip():
-                try:
-                    payload = json.loads(body)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise ProtocolError(INVALID_JSON, f"Invalid JSON: {exc}") from exc
+            payload = await parsed(pool, body) if body.strip() else {}
             return JSONText(await handler(payload))
         except ProtocolError as exc:
             return JSONText({"detail": exc.payload()}, status_code=exc.status)
@@ -190,6 +270,18 @@ def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
 
         return await guarded(request, handle)
 
+    @app.post("/privileged", tags=["State Management"])
+    async def http_privileged(request: Request) -> JSONText:
+        """``{"session_id": ..., "critic_token": ...}``: the episode's privileged info, for
+        a critic; never part of an observation."""
+
+        async def handle(payload: Any) -> dict[str, Any]:
+            data = body_object(payload)
+            check_critic(config, data)
+            return await pool.privileged(pool.get(data.get("session_id")))
+
+        return await guarded(request, handle)
+
     @app.post("/close", tags=["Environment Control"])
     async def http_close(request: Request) -> JSONText:
         """End an HTTP session now instead of waiting for the idle reaper."""
@@ -222,6 +314,23 @@ def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
                 "state": STATE_SCHEMA}
 
 
+async def parsed(pool: SessionPool, text: str | bytes) -> Any:
+    """``parse(text)``, in a worker thread when ``text`` is large: on the event loop it
+    would hold up every other client's replies."""
+    if len(text) <= INLINE_PARSE_BYTES:
+        return parse(text)
+    return await pool.run(parse, text)
+
+
+def parse(text: str | bytes) -> Any:
+    """A request body or frame as JSON, refused (INVALID_JSON) when it is not JSON, is not
+    UTF-8, is nested too deep for any request of this protocol, or holds NaN/Infinity."""
+    try:
+        return untrusted.loads(text)
+    except untrusted.UntrustedJSONError as exc:
+        raise ProtocolError(INVALID_JSON, f"Invalid JSON: the request {exc}") from exc
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused past ``limit`` bytes without reading the rest."""
     declared = request.headers.get("content-length")
@@ -247,8 +356,6 @@ def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
     async def mcp(request: Request) -> JSONText:
         """JSON-RPC 2.0 ``tools/list``: the env's tools. Episodes run on /ws and /step."""
         try:
-            if not authorized(request.headers, config.token):
-                raise ProtocolError(UNAUTHORIZED, "missing or wrong bearer token", status=401)
             body = await read_body(request, config.max_request_bytes)
         except ProtocolError as exc:
             return JSONText({"detail": exc.payload()}, status_code=exc.status)
@@ -257,9 +364,9 @@ def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
 
 async def mcp_reply(body: bytes, pool: SessionPool) -> dict[str, Any]:
     try:
-        request = json.loads(body or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return rpc_error(None, -32700, "Parse error")
+        request = await parsed(pool, body or b"{}")
+    except ProtocolError as exc:
+        return rpc_error(None, -32700, f"Parse error: {exc}")
     if not isinstance(request, dict) or request.get("jsonrpc") != "2.0" or "method" not in request:
         return rpc_error(request.get("id") if isinstance(request, dict) else None, -32600,
                          "Invalid Request: expected a JSON-RPC 2.0 request")
@@ -288,12 +395,6 @@ def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
     @app.websocket("/ws")
     async def websocket_session(websocket: WebSocket) -> None:
         await websocket.accept()
-        if not authorized(websocket.headers, config.token):
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
-                await send_error(websocket, ProtocolError(UNAUTHORIZED, "missing or wrong "
-                                                          "bearer token"))
-                await websocket.close(code=1008)
-            return
         try:
             session = await pool.open()
         except ProtocolError as exc:
@@ -301,11 +402,13 @@ def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
                 await send_error(websocket, exc)
                 await websocket.close()
             return
+
         async def hang_up() -> None:
-            await send_error(websocket, ProtocolError(
-                SESSION_ERROR, f"session {session.session_id!r} was closed after being idle "
-                f"longer than {config.idle_timeout_s} s"))
-            await websocket.close(code=1000)
+            # Said twice: in an error frame for a client that reads, and as the close
+            # reason, which is what a client that next sends (OpenEnv's) reports.
+            why = config.idle_closed()
+            await send_error(websocket, ProtocolError(SESSION_ERROR, why))
+            await websocket.close(code=1000, reason=why)
 
         session.on_reaped = hang_up
         try:
@@ -335,10 +438,7 @@ async def serve_frames(
             ):
                 raise ProtocolError(REQUEST_TOO_LARGE, f"the frame is larger than the server's "
                                     f"limit of {limit} bytes")
-            try:
-                frame = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ProtocolError(INVALID_JSON, f"Invalid JSON: {exc}") from exc
+            frame = await parsed(pool, raw)
             if not isinstance(frame, dict):
                 raise ProtocolError(VALIDATION_ERROR, "a frame is a JSON object with 'type'")
             kind = frame.get("type")
@@ -353,6 +453,9 @@ async def serve_frames(
                 reply = {"type": "observation", "data": await pool.step(session, data)}
             elif kind == "state":
                 reply = {"type": "state", "data": await pool.state(session)}
+            elif kind == PRIVILEGED:
+                check_critic(pool.config, data)
+                reply = {"type": PRIVILEGED, "data": await pool.privileged(session)}
             else:
                 raise ProtocolError(UNKNOWN_TYPE, f"Unknown message type: {kind}")
         except ProtocolError as exc:
@@ -369,7 +472,11 @@ async def serve_frames(
 
 
 async def send_error(websocket: WebSocket, error: ProtocolError) -> None:
-    await websocket.send_text(json.dumps({"type": "error", "data": error.payload()}))
+    await websocket.send_text(error_frame(error))
+
+
+def error_frame(error: ProtocolError) -> str:
+    return dumps({"type": "error", "data": error.payload()})
 
 
 def _version() -> str:
@@ -382,16 +489,31 @@ def _version() -> str:
 
 
 def serve(
-    config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, verbose: bool = False
+    config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, verbose: bool = False,
+    allow_unauthenticated: bool = False,
 ) -> None:
     """Run the server until interrupted (uvicorn on the ``websockets`` package), saying
-    where it listens; ``verbose`` adds uvicorn's line per request and WebSocket session."""
+    where it listens; ``verbose`` adds uvicorn's line per request and WebSocket session.
+
+    Whoever reaches a server can make it run what its env runs (code, for the sandboxed
+    ones), so off loopback it needs a token, or ``allow_unauthenticated`` saying that
+    anyone on that network may: ``ExposureError`` otherwise, before anything binds."""
     import uvicorn
 
+    if config.token is None and not is_loopback(host):
+        if not allow_unauthenticated:
+            raise ExposureError(
+                f"--host {host} lets other machines reach the server, and it has no token: "
+                "set one with --token-env VAR, or pass --allow-unauthenticated if everyone "
+                "who can reach this address may use it")
+        print(f"agent-gym serve: WARNING: listening on {host} with no token; anyone who "
+              "reaches this address can run episodes (--allow-unauthenticated)",
+              file=sys.stderr, flush=True)
     print(f"agent-gym serve: {config.env_id} on http://{host}:{port} (WebSocket "
           f"ws://{host}:{port}/ws, HTTP /reset /step /state; Ctrl-C stops)",
           file=sys.stderr, flush=True)
 
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # uvicorn's "websockets" protocol served 45% more steps/s than its newer "sansio" one in
     # benchmarks/bench_serve.py; uvicorn marks it deprecated, which is not this server's news.
     warnings.filterwarnings("ignore", message="The `websockets` implementation is deprecated")

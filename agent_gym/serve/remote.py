@@ -13,16 +13,27 @@ trainers, Gymnasium vector envs and Ray workers use it unchanged::
 It speaks the server's WebSocket session protocol (OpenEnv's ``/ws`` frames): one
 connection is one server-side env, kept open for the env's lifetime. Calls block, as a local
 env's do; callers that want concurrency run them in threads, one env per thread.
+
+The server never sends privileged info (answers, oracle actions) with an observation, so a
+reset's ``info["privileged"]`` is ``{}``, unless the client was made with the server's
+critic token (``critic_token_env=VAR``, the server started with ``--critic-token-env``):
+then each reset asks for it, for the eval oracle or a critic.
+
+Credentials are named, never given: ``token_env`` and ``critic_token_env`` name environment
+variables that hold them, because an env's constructor arguments are recorded wherever the
+env is described (an eval run's ``config.json``, a saved state, a Ray actor's spec).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 from typing import Any
 
 import gymnasium
 
+from agent_gym import untrusted
 from agent_gym.env.base import MAX_ACTION_CHARS, MAX_OBSERVATION_CHARS, UnicodeText
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.extras import install_hint
@@ -61,14 +72,20 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
 
     Args:
         url: the server, e.g. ``http://127.0.0.1:8000``.
-        token: the server's bearer token, if it requires one.
+        token_env: the environment variable holding the server's bearer token, if it
+            requires one.
+        critic_token_env: the environment variable holding the server's critic token, to
+            have each reset's privileged info (a policy's client has none, and gets ``{}``).
         timeout: seconds to wait for a connection and for each reply.
     """
 
     metadata: dict[str, Any] = {"render_modes": []}  # noqa: RUF012  (Gymnasium's own attribute)
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 120.0) -> None:
+    def __init__(self, url: str, token_env: str | None = None,
+                 critic_token_env: str | None = None, timeout: float = 120.0) -> None:
         self.url = ws_url(url)
+        token = _secret(token_env, "token_env")
+        self._critic_token = _secret(critic_token_env, "critic_token_env")
         self.observation_space = UnicodeText(MAX_OBSERVATION_CHARS)
         self.action_space = UnicodeText(MAX_ACTION_CHARS)
         headers = {"Authorization": f"Bearer {token}"} if token else None
@@ -87,10 +104,13 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
             frame["data"] = data
         try:
             self._socket.send(json.dumps(frame, ensure_ascii=False))
-            reply = json.loads(self._socket.recv(timeout=self._timeout))
+            reply = untrusted.loads(self._socket.recv(timeout=self._timeout))
         except (ConnectionClosed, TimeoutError) as exc:
             raise RemoteEnvError("CONNECTION_LOST", f"the server at {self.url} went away: "
                                  f"{exc}") from exc
+        except untrusted.UntrustedJSONError as exc:
+            raise RemoteEnvError("INVALID_REPLY", f"the server at {self.url} replied with "
+                                 f"something that {exc}") from exc
         if reply.get("type") == "error":
             error = reply.get("data", {})
             code, message = error.get("code", "UNKNOWN"), error.get("message", "server error")
@@ -110,8 +130,10 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
             elif key not in ("task_id", "index"):
                 raise ValueError(f"unknown reset option {key!r}; use task_id, index or state")
             data[key] = value
-        payload = self._call("reset", data)
-        return payload["observation"]["text"], payload["observation"]["info"]
+        observation = self._call("reset", data)["observation"]
+        privileged = {} if self._critic_token is None else \
+            self._call("privileged", {"critic_token": self._critic_token})["privileged"]
+        return observation["text"], {**observation["info"], "privileged": privileged}
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if not isinstance(action, str):
@@ -145,6 +167,17 @@ class RemoteTextEnv(gymnasium.Env[str, str]):
             self._connection.close()
             self._socket = None
         super().close()
+
+
+def _secret(variable: str | None, argument: str) -> str | None:
+    """The credential in environment variable ``variable`` (None: no credential)."""
+    if variable is None:
+        return None
+    value = os.environ.get(variable)
+    if not value:
+        raise ValueError(f"Remote-v0's {argument}={variable!r} names an environment variable "
+                         "that is not set")
+    return value
 
 
 def _state_dict(state: Any) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 ``max_sessions`` of them, idle ones reaped; a session's reset, step and state calls.
 
 Trust: every env is built from the server's own ``env_id`` and ``--env-arg`` settings; a
-client's state is accepted only if it was saved from an env with those settings.
+client's state is accepted only if it was saved from an env with those settings. An
+episode's privileged info stays here (``Session.privileged``) for a critic to ask for.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from agent_gym.serve.wire import (
     CAPACITY_REACHED,
     EXECUTION_ERROR,
     FACTORY_ERROR,
+    PRIVILEGED,
     SESSION_ERROR,
     STATE_REFUSED,
     VALIDATION_ERROR,
@@ -42,21 +44,15 @@ DEFAULT_MAX_SESSIONS = 64
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 MAX_REAPED_IDS = 10_000
-# A step of an env whose steps are computation only (``TextEnv.steps_in_process``) runs on
-# the event loop, skipping the two thread hand-offs that cost more than such a step (0.25 ms
-# of the 1 ms p50 a Search-v0 step took through the server on a loaded 2-core machine) --
-# once that session's last INLINE_AFTER steps each took under INLINE_STEP_BUDGET_S. A pure-
-# Python step in a worker thread holds the GIL, and so the loop, just as long, so a short one
-# holds no other session up longer there; a slower step sends the session back to the pool.
-INLINE_STEP_BUDGET_S = 0.001
-INLINE_AFTER = 3
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """What the server hosts and its limits. ``env_kwargs`` are the server's own settings:
-    every session's env is built from them, whatever a client sends."""
+    every session's env is built from them, whatever a client sends. ``token`` admits a
+    client at all; ``critic_token``, which must differ from it, is what a ``privileged``
+    request carries (none: the server gives privileged info to no one)."""
 
     env_id: str
     env_kwargs: Mapping[str, Any] = field(default_factory=dict)
@@ -64,6 +60,7 @@ class ServerConfig:
     idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     token: str | None = None
+    critic_token: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -72,13 +69,20 @@ class ServerConfig:
             raise ValueError("max_request_bytes must be at least 1024")
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive (or None for no reaping)")
+        if self.critic_token is not None and self.critic_token == self.token:
+            raise ValueError("the critic token (--critic-token-env) must differ from the "
+                             "policy's (--token-env): a policy holding it could ask for the "
+                             "answers")
+
+    def idle_closed(self) -> str:
+        """Why a reaped session is gone, naming the setting that closed it."""
+        return f"session closed after {self.idle_timeout_s:g} s idle (serve --idle-timeout)"
 
 
 @dataclass
 class Session:
     """One client's env. Its lock keeps that env's calls in order (HTTP requests for one
-    session may arrive concurrently); different sessions step in parallel threads, except
-    short steps of in-process envs, which run on the event loop (INLINE_STEP_BUDGET_S)."""
+    session may arrive concurrently); different sessions step in parallel threads."""
 
     session_id: str
     env: gymnasium.Env
@@ -86,16 +90,21 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     episode_id: str | None = None
     step_count: int = 0
+    # The current episode's ``info["privileged"]``, kept from its reset and given only to
+    # a critic; None until a reset succeeds, so also whether there is an episode to step.
+    privileged: dict[str, Any] | None = None
     closed: bool = False
-    # Consecutive steps under INLINE_STEP_BUDGET_S; counted only for envs whose steps run
-    # in process, so it says whether the next step may run on the event loop.
-    fast_steps: int = 0
     # A WebSocket session's way to tell its client, when the reaper closes it, and hang up.
     on_reaped: Callable[[], Awaitable[None]] | None = None
 
 
 class SessionPool:
-    """At most ``max_sessions`` live envs; idle ones are closed by a reaper task."""
+    """At most ``max_sessions`` live envs; idle ones are closed by a reaper task.
+
+    Every call into an env (build, reset and restore, step, save, close) runs in a worker
+    thread, whatever the env: how long the next step takes is the client's to choose (a
+    query, a program, a plan), so none may run on the event loop, where it would hold up
+    every other session's replies and ``/health``."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -156,10 +165,17 @@ class SessionPool:
                                 "(in observation.session_id)")
         session = self.sessions.get(session_id)
         if session is None:
-            why = "was closed after being idle too long" if session_id in self.reaped else \
-                "is unknown (never opened, or already closed)"
-            raise ProtocolError(SESSION_ERROR, f"session {session_id!r} {why}", status=404)
+            raise self._gone(session_id)
         return session
+
+    def _gone(self, session_id: str) -> ProtocolError:
+        """Why a session is not there: closed for being idle (the setting named), or not
+        known."""
+        if session_id in self.reaped:
+            return ProtocolError(SESSION_ERROR, f"{self.config.idle_closed()} ({session_id})",
+                                 status=404)
+        return ProtocolError(SESSION_ERROR, f"session {session_id!r} is unknown (never "
+                             "opened, or already closed)", status=404)
 
     async def close(self, session: Session) -> None:
         if self.sessions.pop(session.session_id, None) is None:
@@ -193,17 +209,12 @@ class SessionPool:
 
     # ----------------------------------------------------------------- episode calls
     async def reset(self, session: Session, data: Mapping[str, Any]) -> dict[str, Any]:
-        seed, options, episode_id = self._reset_arguments(data)
         async with session.lock:
             self._check_open(session)
-            try:
-                observation, info = await self.run(session.env.reset, seed=seed, options=options)
-            except StateError as exc:
-                raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
-            except (KeyError, IndexError, ValueError, TypeError) as exc:
-                raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
+            observation, info, episode_id = await self.run(self._reset_env, session.env, data)
             session.episode_id = episode_id
             session.step_count = int(info.get("turn", 0))
+            session.privileged = dict(info.get(PRIVILEGED) or {})
             session.last_active = time.monotonic()
         return observation_payload(observation, info, reward=None, terminated=False,
                                    truncated=False)
@@ -212,17 +223,12 @@ class SessionPool:
         text = action_text(action)
         async with session.lock:
             self._check_open(session)
+            self._check_episode(session)
             try:
-                if session.fast_steps >= INLINE_AFTER:
-                    outcome, took = timed_step(session.env, text)
-                else:
-                    outcome, took = await self.run(timed_step, session.env, text)
-            except RuntimeError as exc:  # stepping before reset or after the end
-                raise ProtocolError(EXECUTION_ERROR, str(exc)) from exc
+                outcome = await self.run(session.env.step, text)
+            except RuntimeError as exc:  # stepping after the end
+                raise ProtocolError(EXECUTION_ERROR, str(exc), status=409) from exc
             observation, reward, terminated, truncated, info = outcome
-            in_process = session.env.unwrapped.steps_in_process
-            fast = in_process and took < INLINE_STEP_BUDGET_S
-            session.fast_steps = session.fast_steps + 1 if fast else 0
             session.step_count += 1
             session.last_active = time.monotonic()
         return observation_payload(observation, info, reward=reward, terminated=terminated,
@@ -232,23 +238,54 @@ class SessionPool:
         async with session.lock:
             self._check_open(session)
             session.last_active = time.monotonic()
-            try:
-                env_state = await self.run(session.env.unwrapped.save_state)
-            except RuntimeError:  # not reset yet: no episode to save
-                env_state = None
+            env_state = await self.run(saved_state, session.env)
         return {
             "episode_id": session.episode_id,
             "step_count": session.step_count,
-            "env_state": None if env_state is None else json.loads(env_state.to_json()),
+            "env_state": env_state,
             # What a client needs to plan episodes (eval's task order, a trainer's turns).
             "num_tasks": session.env.unwrapped.num_tasks,
             "max_turns": session.env.unwrapped.max_turns,
         }
 
+    async def privileged(self, session: Session) -> dict[str, Any]:
+        """The current episode's privileged info, for a critic (the caller checked its
+        token)."""
+        async with session.lock:
+            self._check_open(session)
+            self._check_episode(session)
+            session.last_active = time.monotonic()
+            return {PRIVILEGED: session.privileged}
+
     def _check_open(self, session: Session) -> None:
-        if session.closed:
-            raise ProtocolError(SESSION_ERROR, f"session {session.session_id!r} was closed "
-                                "after being idle too long", status=404)
+        if session.closed:  # while this request waited for its lock
+            raise self._gone(session.session_id)
+
+    def _check_episode(self, session: Session) -> None:
+        """Refuse a call that needs an episode before any reset: a client's slip (or one
+        whose session was reaped and that reconnected to a fresh one), answered, not an
+        env error logged with its traceback."""
+        if session.privileged is not None:
+            return
+        message = "no episode in this session yet: send reset first"
+        if self.config.idle_timeout_s is not None:
+            message += (f" (a session idle for {self.config.idle_timeout_s:g} s is closed, "
+                        "serve --idle-timeout; a client that reconnects is on a new one)")
+        raise ProtocolError(EXECUTION_ERROR, message, status=409)
+
+    def _reset_env(
+        self, env: gymnasium.Env, data: Mapping[str, Any]
+    ) -> tuple[str, dict[str, Any], str | None]:
+        """Check a reset's data and reset ``env`` with it (in a worker thread: a state to
+        parse and restore may be megabytes long); its observation, info and episode id."""
+        seed, options, episode_id = self._reset_arguments(data)
+        try:
+            observation, info = env.reset(seed=seed, options=options)
+        except StateError as exc:
+            raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
+        return observation, info, episode_id
 
     def _reset_arguments(
         self, data: Mapping[str, Any]
@@ -293,10 +330,9 @@ class SessionPool:
         return state
 
 
-def timed_step(
-    env: gymnasium.Env, text: str
-) -> tuple[tuple[str, float, bool, bool, dict[str, Any]], float]:
-    """``env.step(text)`` and the seconds it took, timed where it ran."""
-    started = time.perf_counter()
-    outcome = env.step(text)
-    return outcome, time.perf_counter() - started
+def saved_state(env: gymnasium.Env) -> dict[str, Any] | None:
+    """The env's ``EnvState`` as a JSON object, or None before its first reset."""
+    try:
+        return json.loads(env.unwrapped.save_state().to_json())
+    except RuntimeError:  # not reset yet: no episode to save
+        return None

@@ -1,5 +1,10 @@
 """The wire format of ``agent-gym serve`` (OpenEnv's): error codes, request and response
 schemas, and the MCP ``tools/list`` entries and JSON-RPC errors (see ``agent_gym.serve.app``).
+
+Every observation a client receives is built by ``observation_payload``, which leaves out
+the env's ``info["privileged"]`` (reference answers, oracle actions, walkthroughs, gold
+passages): clients such as verifiers' OpenEnv env show the whole observation to the model.
+A critic asks for it with a ``privileged`` request and the server's critic token.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ REQUEST_TOO_LARGE = "REQUEST_TOO_LARGE"
 STATE_REFUSED = "STATE_REFUSED"
 UNAUTHORIZED = "UNAUTHORIZED"
 
+PRIVILEGED = "privileged"  # the info key, the request type and its reply's field
+
 ACTION_SCHEMA: dict[str, Any] = {
     "title": "AgentGymAction",
     "description": "The assistant's raw reply; tool calls are written in it as the env's "
@@ -40,7 +47,8 @@ OBSERVATION_SCHEMA: dict[str, Any] = {
     "properties": {
         "text": {"type": "string", "description": "the env's observation"},
         "info": {"type": "object", "description": "the Gymnasium info dict (messages, tools, "
-                 "privileged, message, invalid, turn, ...)"},
+                 "message, invalid, turn, ...) without 'privileged', which only a critic "
+                 "gets, from a 'privileged' request"},
         "terminated": {"type": "boolean"},
         "truncated": {"type": "boolean"},
         "session_id": {"type": "string", "description": "HTTP sessions only"},
@@ -94,11 +102,12 @@ def observation_payload(
     truncated: bool,
 ) -> dict[str, Any]:
     """OpenEnv's ``{observation, reward, done}``; the observation keeps the Gymnasium
-    split of ``done`` into ``terminated`` and ``truncated``, which trainers need."""
+    split of ``done`` into ``terminated`` and ``truncated``, which trainers need, and the
+    info without ``privileged``: an observation may reach the policy whole."""
     return {
         "observation": {
             "text": observation,
-            "info": dict(info),
+            "info": {key: value for key, value in info.items() if key != PRIVILEGED},
             "terminated": bool(terminated),
             "truncated": bool(truncated),
         },
@@ -108,9 +117,20 @@ def observation_payload(
 
 
 def dumps(value: Any) -> str:
-    """``value`` as JSON text in one pass: numpy scalars become numbers, sets and tuples
-    lists, anything else unknown its string (an env's info may hold any of them)."""
-    return json.dumps(value, default=_convert, ensure_ascii=False)
+    """``value`` as JSON text that always encodes as UTF-8, the one encoder of every reply.
+
+    Numpy scalars become numbers, sets and tuples lists, anything else unknown its string
+    (an env's info may hold any of them). A lone surrogate (an action sent as ``"\\ud800"``
+    decodes to one, and the env echoes it in its messages and state) has no UTF-8 form, so
+    such a reply is written with JSON's ``\\u`` escapes instead: the client reads back the
+    very text it sent, and a saved state holding it restores."""
+    text = json.dumps(value, default=_convert, ensure_ascii=False)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(value, default=_convert)
+    return text
 
 
 def _convert(item: Any) -> Any:

@@ -161,3 +161,33 @@ def test_a_groups_envs_render_the_same_prompt_while_the_cookbook_renders_them_at
         asyncio.run(group_builder.cleanup())
         assert all(p == prompts[0] for p in prompts)
         assert END_OF_TURN in prompts[0]  # one token, not its spelling
+
+
+def test_what_the_cookbook_renders_holds_no_privileged_info_and_a_critic_reads_it() -> None:
+    """The policy sees only what the renderer encodes (the messages) and the step results;
+    the episode's privileged info stays on the message env, for a critic."""
+    import gymnasium
+
+    local = gymnasium.make("agent_gym/Search-v0", max_turns=4)
+    _, expected = local.reset(options={"task_id": "q001"})
+    local.close()
+    oracle = expected["privileged"]["oracle_actions"]
+    group_builder = builder(env_id="agent_gym/Search-v0", env_kwargs={"max_turns": 4},
+                            renderer_name="qwen3", task_id="q001", group_size=1)
+    (env,) = asyncio.run(group_builder.make_envs())
+    message_env = group_builder._message_envs[0]
+
+    async def play() -> tuple[str, Any]:
+        prompt, stop = await env.initial_observation()
+        reply = f"{oracle[0]}{stop[0]}"
+        tokens = env.renderer.tokenizer.encode(reply, add_special_tokens=False)
+        return env.renderer.tokenizer.decode(prompt.to_ints()), await env.step(
+            tokens, extra={"stop_reason": "stop"})
+
+    shown, result = asyncio.run(play())
+    assert message_env.privileged == expected["privileged"]
+    assert not [action for action in oracle if action in shown]
+    assert "privileged" not in str(result.logs) + str(result.metrics)
+    env_side = str([m["content"] for m in message_env.messages if m["role"] != "assistant"])
+    assert not [action for action in oracle[1:] if action in env_side]
+    asyncio.run(group_builder.cleanup())

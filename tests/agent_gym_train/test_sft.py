@@ -99,6 +99,22 @@ def test_demonstrations_from_an_eval_run_are_its_successes(tmp_path: Path) -> No
         run_demonstrations(tmp_path / "run", "agent_gym/Search-v0")
 
 
+def test_demonstrations_skip_what_a_damaged_run_cannot_say_and_name_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = EvalConfig("agent_gym/GSM8K-v0", "oracle", episodes=3)
+    asyncio.run(evaluate(config, make_policy("oracle"), tmp_path / "run", progress=False))
+    episodes = tmp_path / "run" / "episodes.jsonl"
+    good = episodes.read_bytes()
+    episodes.write_bytes(b"\xff not utf-8\n[]\n" + good + b'{"episode": 7, "rew')
+    demos = run_demonstrations(tmp_path / "run", "agent_gym/GSM8K-v0")
+    assert len(demos) == 3
+    err = capsys.readouterr().err
+    assert "line 1 is not UTF-8" in err and "line 2 is not a JSON object" in err
+    assert "line 6 is cut off" in err
+    assert episodes.read_bytes().startswith(b"\xff")  # read, never changed
+
+
 def test_cross_entropy_on_demonstrations_matches_hand_computation(tmp_path: Path) -> None:
     """pytrio's cross_entropy: loss_mean = -sum(w * log p) / #(target != -100 and w != 0),
     and its gradient, on two real demonstration datums (one with a weight of 2)."""

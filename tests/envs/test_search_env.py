@@ -395,14 +395,6 @@ def test_refusals_are_capped_and_sanitised(protocol: str) -> None:
     env.close()
 
 
-def test_only_a_local_index_with_a_memory_cache_steps_in_process(tmp_path: Path) -> None:
-    """What lets `agent-gym serve` run a step on its event loop: no network, no cache file."""
-    assert gymnasium.make(ENV).unwrapped.steps_in_process
-    assert not gymnasium.make(ENV, cache=str(tmp_path / "cache.sqlite")).unwrapped.steps_in_process
-    assert not gymnasium.make(ENV, backend="http", url=refused_url(),
-                              cache="off").unwrapped.steps_in_process
-
-
 def test_the_bundled_split_is_in_the_data_and_every_fourth_question_is_held_out() -> None:
     """``split`` reads the rows' own field: train and test partition ``all`` (the default,
     today's task order), with question i held out when i % 4 == 3."""

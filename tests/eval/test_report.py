@@ -41,7 +41,7 @@ class BigOutputPolicy:
 
 
 def test_a_killed_run_is_shown_and_model_text_never_becomes_markup(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = tmp_path / "run"
     make_run(run, episodes=2)
@@ -55,17 +55,18 @@ def test_a_killed_run_is_shown_and_model_text_never_becomes_markup(
     assert "<script>alert(1)" not in page
     assert "wilson" in page and "terminated 2" in page
     assert "&lt;/pre&gt;&lt;script&gt;alert(1)&lt;/script&gt;&amp;amp;" in page
-    assert "the last line is cut off" in page and "2 of 2" in page
+    assert "line 3 is cut off (a killed run)" in page and "2 of 2" in page
     assert "other-figures" not in page  # nothing beyond the table to say
+    monkeypatch.chdir(tmp_path)
     assert main(["view", str(run)]) == 0
-    assert (run / "report.html").read_text() == page
+    assert (tmp_path / "report.html").read_text() == page
     assert "Rewards per step: not in this run's log" in page
     assert main(["view", str(run), "--replay", "--out", str(tmp_path / "replayed.html")]) == 0
     replayed = (tmp_path / "replayed.html").read_text()
     assert "Rewards per step (replayed from the saved state): 1<" in replayed
     assert "Not reproducible from its saved state: transcript message 2" in replayed
     assert sorted(p.name for p in run.iterdir()) == ["config.json", "episodes.jsonl",
-                                                     "report.html"]
+                                                     "eval.lock"]
     assert main(["view", str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
 

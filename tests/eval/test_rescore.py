@@ -60,7 +60,7 @@ def test_rescore_replays_each_episode_with_the_current_reward_code(
     assert main(["rescore", str(run)]) == 2
     assert "pass --force" in capsys.readouterr().err
     assert main(["rescore", str(run), "--out", str(run / "episodes.jsonl"), "--force"]) == 2
-    assert "one of the run's own files" in capsys.readouterr().err
+    assert "would overwrite" in capsys.readouterr().err
     assert (run / "episodes.jsonl").read_bytes() == before["episodes.jsonl"]
 
     # The report shows the replayed rewards per step.

@@ -21,7 +21,7 @@ from agent_gym.eval.policies import (
     make_policy,
 )
 from agent_gym.eval.run import evaluate
-from agent_gym.eval.runlog import RunLog, RunMismatchError
+from agent_gym.eval.runlog import RunLog, RunMismatchError, RunWriteError
 from agent_gym.eval.stats import wilson_interval
 from tests.helpers.eval_runs import GSM8K, read_episodes
 from tests.helpers.openai_server import Behaviour, ChatServer
@@ -270,7 +270,8 @@ def test_after_a_failed_commit_no_line_is_acknowledged(
         outcomes = asyncio.run(write_two())
     finally:
         log.close()
-    assert all(isinstance(o, OSError) and "No space" in str(o) for o in outcomes)
+    assert all(isinstance(o, RunWriteError) and "No space" in str(o) for o in outcomes)
+    assert log.records == {}  # neither counts as saved
 
 
 def test_random_policy_plays_valid_calls_in_either_alfworld_protocol(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ def test_a_killed_and_resumed_log_is_read_as_written_and_left_unchanged(tmp_path
     assert [r["episode"] for r in read.episodes.values()] == [0, 1, 2, 3]
     assert set(read.episodes) == {(GSM8K, r["task_id"], 0) for r in records}
     assert any("logged twice" in n for n in read.notes)
-    assert any("line 6 is not JSON" in n for n in read.notes)
+    assert any("line 6 is not valid JSON" in n for n in read.notes)
     assert any("line 7 has no valid reward" in n for n in read.notes)
     assert any("cut off" in n for n in read.notes)
     summary = read.summary()

@@ -76,6 +76,8 @@ def test_server_speaks_search_r1_wire_format(server: RetrievalServer) -> None:
         (b'{"queries": "one string", "topk": 3}', "list of strings"),
         (b'{"queries": ["a"], "topk": 0}', "topk"),
         (b'{"queries": ["a"], "topk": true}', "topk"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested deeper"),  # used to drop the connection
+        (b'{"queries": ["a"], "topk": NaN}', "non-finite"),
     ],
 )
 def test_server_rejects_bad_requests_clearly(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import re
 import time
 from typing import Any
 
@@ -31,6 +31,10 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 from agent_gym.cli.main import build_parser  # noqa: E402
 from tests.helpers.serve_process import frame, running_server  # noqa: E402
 
+CRITIC = "critic-s3cret"  # the critic token of every server here but the idle one
+WITH_CRITIC: dict[str, Any] = {"env": {"AGENT_GYM_TEST_CRITIC": CRITIC}}
+CRITIC_FLAG = ("--critic-token-env", "AGENT_GYM_TEST_CRITIC")
+
 ENVS: dict[str, tuple[str, ...]] = {
     "agent_gym/GSM8K-v0": ("--env-arg", "max_turns=2"),
     "agent_gym/CodeInterpreter-v0": ("--env-arg", "max_turns=4"),
@@ -41,8 +45,39 @@ ENVS: dict[str, tuple[str, ...]] = {
 
 @pytest.fixture(scope="module", params=list(ENVS))
 def server(request: pytest.FixtureRequest) -> Any:
-    with running_server(request.param, *ENVS[request.param]) as url:
+    with running_server(request.param, *ENVS[request.param], *CRITIC_FLAG, **WITH_CRITIC) as url:
         yield request.param, url
+
+
+async def critic_privileged(url: str, reset: dict[str, Any]) -> dict[str, Any]:
+    """What a critic gets: its own session on the same task, asking with the token."""
+    async with connect(url.replace("http", "ws") + "/ws") as ws:
+        await ws.send(frame("reset", reset))
+        assert json.loads(await ws.recv())["type"] == "observation"
+        await ws.send(frame("privileged", {"critic_token": CRITIC}))
+        reply = json.loads(await ws.recv())
+        assert reply["type"] == "privileged", reply
+        return reply["data"]["privileged"]
+
+
+def assert_withheld(reply: Any, privileged: dict[str, Any], played: int = 0) -> None:
+    """No ``privileged`` key anywhere in ``reply``, and no oracle action in any of its text
+    but the ``played`` first ones, which the client sent (a restore's history has them)."""
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict):
+            assert "privileged" not in value, value.keys()
+            for item in value.values():
+                yield from walk(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from walk(item)
+        elif isinstance(value, str):
+            yield value
+
+    texts = list(walk(reply))
+    assert privileged["oracle_actions"]
+    for action in privileged["oracle_actions"][played:]:
+        assert not [text for text in texts if action in text], action
 
 
 async def play(url: str, reset: dict[str, Any], actions: list[str]) -> list[tuple]:
@@ -69,10 +104,12 @@ def test_openenv_client_plays_restores_and_runs_sessions_concurrently(server: An
             assert not first.done and first.reward is None
             info = first.observation["info"]
             assert info["task_id"] and info["messages"][0]["role"] == "system"
-            oracle = info["privileged"]["oracle_actions"]
-            assert oracle
+            privileged = await critic_privileged(url, {"index": 0})
+            oracle = privileged["oracle_actions"]
+            assert_withheld(first.observation, privileged)
             # One step, then save the mid-episode state through the `state` message.
             after_one = await env.step({"text": oracle[0]})
+            assert_withheld(after_one.observation, privileged)
             state = await env.state()
             assert state["episode_id"] == "ep-1" and state["step_count"] == 1
             assert State.model_validate(state).step_count == 1
@@ -96,6 +133,7 @@ def test_openenv_client_plays_restores_and_runs_sessions_concurrently(server: An
             assert restored.observation["text"] == after_one.observation["text"]
             assert restored.observation["info"]["turn"] == 1
             assert restored.observation["info"]["restored_depth"] == 1
+            assert_withheld(restored.observation, privileged, played=1)
             again = []
             for action in oracle[1 : 1 + len(rest)]:
                 result = await branch.step({"text": action})
@@ -126,12 +164,21 @@ def test_http_endpoints_match_openenv_models(server: Any) -> None:
         body = reset.json()
         session_id = body["observation"]["session_id"]
         ResetResponse.model_validate(body)
-        oracle = body["observation"]["info"]["privileged"]["oracle_actions"]
-        for action in oracle:
+        # Only an explicit request with the critic token gets the answers.
+        for refused in ({"session_id": session_id},
+                        {"session_id": session_id, "critic_token": "guess"}):
+            denied = http.post("/privileged", json=refused)
+            assert denied.status_code == 403 and denied.json()["detail"]["code"] == "UNAUTHORIZED"
+        asked = http.post("/privileged", json={"session_id": session_id, "critic_token": CRITIC})
+        assert asked.status_code == 200, asked.text
+        privileged = asked.json()["privileged"]
+        assert_withheld(body, privileged)
+        for action in privileged["oracle_actions"]:
             step = http.post("/step", json={"action": {"text": action}, "session_id": session_id,
                                             "request_id": "r1", "timeout_s": 30.0})
             assert step.status_code == 200, step.text
             StepResponse.model_validate(step.json())
+            assert_withheld(step.json(), privileged)
             if step.json()["done"]:
                 break
         assert step.json()["done"] and step.json()["reward"] > 0
@@ -151,7 +198,7 @@ def test_http_endpoints_match_openenv_models(server: Any) -> None:
 @pytest.fixture(scope="module")
 def gsm8k() -> Any:
     with running_server("agent_gym/GSM8K-v0", "--env-arg", "max_turns=2",
-                        "--max-request-bytes", "4096") as url:
+                        "--max-request-bytes", "4096", *CRITIC_FLAG, **WITH_CRITIC) as url:
         yield url
 
 
@@ -167,6 +214,8 @@ def test_malformed_frames_get_error_frames_and_the_session_goes_on(gsm8k: str) -
                 "[1, 2]": "VALIDATION_ERROR",
                 frame("dance"): "UNKNOWN_TYPE",
                 frame("step", {"text": "before any reset"}): "EXECUTION_ERROR",
+                frame("privileged"): "UNAUTHORIZED",
+                frame("privileged", {"critic_token": CRITIC}): "EXECUTION_ERROR",  # no episode
                 frame("step", {"txt": "typo"}): "VALIDATION_ERROR",
                 frame("step", "not an object"): "VALIDATION_ERROR",
                 frame("reset", {"seed": -1}): "VALIDATION_ERROR",
@@ -279,6 +328,24 @@ def test_capacity_idle_reaping_and_token() -> None:
             assert gone.status_code == 404 and "idle" in gone.json()["detail"]["message"]
 
 
+def test_an_idle_session_closed_by_the_server_names_the_timeout_to_openenvs_client() -> None:
+    """OpenEnv's client learns that its session is gone when it next sends; what it then
+    reports is the close frame's reason (or, a client that reconnects, the new session's
+    refusal to step before a reset), and both name the timeout and the setting."""
+    with running_server("agent_gym/GSM8K-v0", "--idle-timeout", "0.3") as url:
+
+        async def scenario() -> None:
+            async with GenericEnvClient(base_url=url) as env:
+                await env.reset(index=0)
+                # The client's own connection, closed by the server's reaper.
+                await asyncio.wait_for(env._ws.wait_closed(), timeout=60)
+                with pytest.raises(Exception) as caught:
+                    await env.step({"text": "thinking"})
+            assert re.search(r"0\.3 s.*serve --idle-timeout", str(caught.value)), caught.value
+
+        asyncio.run(scenario())
+
+
 def test_binds_loopback_unless_told(gsm8k: str) -> None:
     args = build_parser().parse_args(["serve", "agent_gym/GSM8K-v0"])
     assert args.host == "127.0.0.1" and args.max_sessions >= 64
@@ -292,50 +359,47 @@ def test_binds_loopback_unless_told(gsm8k: str) -> None:
     assert listening == ["0100007F"]  # 127.0.0.1, not 0.0.0.0
 
 
-def test_short_in_process_steps_run_on_the_event_loop_and_others_in_threads(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Search-v0 (a local index) steps on the loop once its steps have proved short; GSM8K-v0
-    (its grader waits on a helper process) and a slow step always go to the thread pool."""
-    from agent_gym.serve import sessions as server
-    from agent_gym.serve.sessions import INLINE_AFTER, ServerConfig, SessionPool
+def test_a_lone_surrogate_in_an_action_plays_and_the_session_stays_usable(gsm8k: str) -> None:
+    """JSON's "\\ud800" decodes to a lone surrogate, which has no UTF-8 form: /step used to
+    answer 500 after playing it, /state 500 ever after, and a WebSocket session dropped.
+    Replies now carry it as JSON's escape, over both transports alike, and a state holding
+    it restores."""
+    action = "thinking \ud800 out loud"
+    with httpx.Client(base_url=gsm8k, timeout=60) as http:
+        opened = http.post("/reset", json={"index": 0}).json()
+        session_id = opened["observation"]["session_id"]
+        # As JSON's escape: the surrogate has no UTF-8 to send it as.
+        step = http.post("/step", content=json.dumps({"session_id": session_id,
+                                                      "action": {"text": action}}))
+        assert step.status_code == 200, step.text
+        state = http.get("/state", params={"session_id": session_id})
+        assert state.status_code == 200, state.text
+        env_state = state.json()["env_state"]
+        assert env_state["actions"] == [action]
+        restored = http.post("/reset", content=json.dumps({"state": env_state}))
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["observation"]["text"] == step.json()["observation"]["text"]
+        again = http.post("/step", json={"session_id": session_id, "action": {"text": "ok"}})
+        assert again.status_code == 200 and again.json()["done"]  # max_turns=2
 
-    # A budget no real step here comes near on a loaded machine, and one step made slower.
-    monkeypatch.setattr(server, "INLINE_STEP_BUDGET_S", 0.5)
+    async def over_websocket() -> None:
+        async with connect(gsm8k.replace("http", "ws") + "/ws") as ws:
+            async def ask(kind: str, data: object = None) -> dict[str, Any]:
+                await ws.send(frame(kind, data))
+                return json.loads(await ws.recv())
 
-    search = ('<tool_call>\n{"name": "search", "arguments": {"query": "when was the town '
-              'founded"}}\n</tool_call>')
+            assert (await ask("reset", {"index": 0}))["type"] == "observation"
+            played = await ask("step", {"text": action})
+            assert played["type"] == "observation", played
+            assert played["data"]["observation"]["text"] == step.json()["observation"]["text"]
+            saved = await ask("state")
+            assert saved["type"] == "state"
+            for key in ("actions", "digests"):
+                assert saved["data"]["env_state"][key] == env_state[key]
+            assert (await ask("reset", {"state": env_state}))["type"] == "observation"
+            assert (await ask("step", {"text": "ok"}))["data"]["done"]
 
-    async def threads_of(env_id: str, actions: list[str], slow_at: int | None = None
-                         ) -> list[str]:
-        pool = SessionPool(ServerConfig(env_id, {"max_turns": 100}))
-        try:
-            session = await pool.open()
-            await pool.reset(session, {"index": 0})
-            base = session.env.unwrapped
-            step, where = base.step, []
-
-            def recording_step(text: str) -> Any:
-                where.append(threading.current_thread().name)
-                if len(where) == slow_at:
-                    time.sleep(0.6)  # over the budget: the next steps go to the pool again
-                return step(text)
-
-            base.step = recording_step  # type: ignore[method-assign]
-            for action in actions:
-                await pool.step(session, {"text": action})
-            return where
-        finally:
-            await pool.shutdown()
-
-    loop = threading.current_thread().name
-    where = asyncio.run(threads_of("agent_gym/Search-v0", [search] * 10, slow_at=6))
-    assert all(name != loop for name in where[:INLINE_AFTER]), where
-    assert where[INLINE_AFTER:6] == [loop] * (6 - INLINE_AFTER), where
-    assert all(name != loop for name in where[6:6 + INLINE_AFTER]), where
-    assert where[6 + INLINE_AFTER:] == [loop], where
-    where = asyncio.run(threads_of("agent_gym/GSM8K-v0", ["thinking"] * 8))
-    assert loop not in where, where
+    asyncio.run(over_websocket())
 
 
 def test_serve_says_where_it_listens_and_logs_each_request_when_verbose() -> None:
