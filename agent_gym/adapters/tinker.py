@@ -112,7 +112,15 @@ class AgentGymMessageEnv(MessageEnv):
         if info.get("tools"):
             system = chat.pop(0)["content"] if chat and chat[0]["role"] == "system" else ""
             specs = [t["function"] for t in info["tools"]]
-            chat = [*self.renderer.create_conversation_prefix_with_tools(specs, system), *chat]
+            try:
+                prefix = self.renderer.create_conversation_prefix_with_tools(specs, system)
+            except NotImplementedError as err:  # role_colon and other plain-text formats
+                raise ValueError(
+                    f"tinker-cookbook's {type(self.renderer).__name__} has no tool calling, and "
+                    f"{self.env_id} was made with the tool protocol: pick a renderer that "
+                    "calls tools (qwen3, llama3, ...) or the env's text protocol "
+                    f"({TEXT_PROTOCOLS}), whose replies any renderer carries") from err
+            chat = [*prefix, *chat]
         self.messages = [_message(m) for m in chat]
         return self.messages
 
@@ -159,6 +167,11 @@ def _message(chat: dict[str, Any]) -> renderers.Message:
     if "name" in chat:
         message["name"] = chat["name"]
     return message
+
+
+# The env setting that puts each bundled tool env's calls in plain text.
+TEXT_PROTOCOLS = ("Search-v0: protocol='tag'; CodeInterpreter-v0: protocol='fenced'; "
+                  "ALFWorld-v0: protocol='text'")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterable, Sequence
@@ -327,7 +328,10 @@ def _report(runs: Sequence[tuple[EvalConfig, Summary, Path]], args: argparse.Nam
 
 
 def _run_name(policy_spec: str) -> str:
-    return policy_spec.replace("/", "_").replace(":", "_")
+    """The directory of one policy's run: its spec in letters, digits, '.', '-' and '_'
+    alone (an endpoint's ':', '/', '@' or '#' would make a path that breaks shells and the
+    report's file URLs)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", policy_spec).strip(".") or "policy"
 
 
 def _serve(args: argparse.Namespace) -> int:

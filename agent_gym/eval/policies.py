@@ -327,10 +327,15 @@ class OpenAIChatPolicy:
                 # it): a resend queues a second copy behind the first, which llama-cpp-python
                 # keeps computing for no one. Measured: ALFWorld at --concurrency 4 against
                 # its one-slot CPU server lost 3 of 4 episodes to 4 timeouts each.
+                # At --concurrency 1 the one request itself was slower than the timeout
+                # (llama.cpp's chatml-function-calling format took over 60 s for a
+                # CodeInterpreter reply): the advice names both causes.
                 raise PolicyError(
-                    f"ReadTimeout: no reply within --timeout {self.timeout:g} s; a server "
-                    "that computes one request at a time makes concurrent ones wait: raise "
-                    "--timeout or lower --concurrency"
+                    f"ReadTimeout: no reply within --timeout {self.timeout:g} s (the server may "
+                    f"still be computing it); a reply of up to --max-tokens {self.max_tokens} "
+                    "must fit in that time: raise --timeout or lower --max-tokens, and keep "
+                    "--concurrency at most the server's parallel slots (beyond them requests "
+                    "wait for each other)"
                 ) from err
             except httpx.TransportError as err:
                 problem = f"{type(err).__name__}: {err}"

@@ -191,3 +191,21 @@ def test_what_the_cookbook_renders_holds_no_privileged_info_and_a_critic_reads_i
     env_side = str([m["content"] for m in message_env.messages if m["role"] != "assistant"])
     assert not [action for action in oracle[1:] if action in env_side]
     asyncio.run(group_builder.cleanup())
+
+
+def test_a_renderer_without_tool_calling_names_the_text_protocol_that_works(
+    policy: Any,
+) -> None:
+    """role_colon declares no tools: on a tool-protocol env it is one clear error naming
+    the workaround, and with the env's text protocol the group rolls out."""
+    tools = builder(env_id="agent_gym/Search-v0", env_kwargs={"max_turns": 2}, task_id="q001",
+                    group_size=1)
+    (env,) = asyncio.run(tools.make_envs())
+    with pytest.raises(ValueError, match="protocol='tag'"):
+        asyncio.run(env.initial_observation())
+    asyncio.run(tools.cleanup())
+    tags = builder(env_id="agent_gym/Search-v0", env_kwargs={"max_turns": 2, "protocol": "tag"},
+                   task_id="q001", group_size=2)
+    group: TrajectoryGroup = asyncio.run(do_group_rollout(tags, policy))
+    assert len(group.trajectories_G) == 2
+    assert all(trajectory.transitions for trajectory in group.trajectories_G)

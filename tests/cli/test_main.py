@@ -80,6 +80,11 @@ def test_suites_refuse_env_args_and_policies_get_directories_of_their_own(
                  "--out", str(out)]) == 0
     assert (out / "oracle" / "episodes.jsonl").is_file()
     assert (out / "random" / "episodes.jsonl").is_file()
+    endpoint = tmp_path / "endpoint"  # a spec's ':', '/', '@' and '#' stay out of the path
+    main(["eval", GSM8K, "--policy", "oracle", "--policy", "openai:m@http://127.0.0.1:1/v1#text",
+          "--episodes", "1", "--quiet", "--out", str(endpoint)])
+    assert sorted(p.name for p in endpoint.iterdir()) == ["openai_m_http___127.0.0.1_1_v1_text",
+                                                          "oracle"]
 
 
 def test_a_run_whose_every_episode_failed_exits_non_zero_and_writes_no_nan(
