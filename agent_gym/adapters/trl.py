@@ -5,20 +5,28 @@ returning an object with ``reset(**dataset_row)`` and one public, typed, Google-
 method per tool; TRL renders those methods as the tools of the prompt, parses the model's
 tool calls and calls the methods by name. This module builds such a class for any agent_gym
 env id: one method per tool the env declares (``search(query)``, ``code_interpreter(code)``,
-``alfworld_step(action)``), each executing the call as an env step.
+``alfworld_step(action)``), each running the call as an env step, so the model sees what the
+env answers.
 
-The episode's reward goes to the trainer through ``env_reward``, a reward function, rather
-than TRL's ``get_reward()`` hook: agent_gym envs score the *final reply* (the answer after
-the last tool call), and ``get_reward()`` is called without it. ``env_reward`` receives the
-completions and the environments from TRL, plays each final reply as the episode's last
-step and returns the env's total reward::
+The episode is scored the way ``agent-gym eval`` scores it, not the way TRL read it. TRL
+finds tool calls with its own lenient parser (it runs a call followed by more text, or two
+calls in one reply, both of which the env refuses) and would hand a reply cut at the length
+limit over as an answer. So ``trl_reward(tokenizer)`` builds the reward function from the
+sampled tokens instead: it cuts each completion into the assistant's turns and plays every
+turn the model finished, verbatim, through the episode restored to the row's starting point,
+where the env's own strict parser judges it; a turn cut at the length limit is never shown
+to the env, as in eval, so the episode keeps what it earned before::
 
     Env = trl_environment("agent_gym/Search-v0", max_turns=5)
-    trainer = GRPOTrainer(model=..., reward_funcs=env_reward, environment_factory=Env,
+    trainer = GRPOTrainer(model=..., processing_class=tokenizer,
+                          reward_funcs=trl_reward(tokenizer), environment_factory=Env,
                           train_dataset=trl_dataset("agent_gym/Search-v0", max_turns=5), ...)
 
-A dataset row with a ``state`` (``EnvState`` JSON) restores that mid-episode state instead of
-starting the task, so every member of a GRPO group starts from the identical point.
+The tokenizer's chat template must render tool calls (TRL checks); the embedded model's does
+(``agent_gym_train.models.load_tokenizer``). A dataset row with a ``state`` (``EnvState``
+JSON) restores that mid-episode state instead of starting the task, so every member of a
+GRPO group starts from the identical point. Nothing of ``info["privileged"]`` reaches the
+model: the prompt is the env's opening messages and a tool returns only the observation.
 """
 
 from __future__ import annotations
@@ -26,12 +34,15 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium
 
 from agent_gym.env.base import TextEnv
 from agent_gym.env.state import EnvState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EPISODE_OVER = "The episode is over; give your final answer."
 
@@ -46,9 +57,8 @@ class AgentGymTRLEnv:
     def __init__(self) -> None:
         # Built at the first reset: TRL constructs one instance just to read its tools.
         self._env: gymnasium.Env | None = None
+        self._start: EnvState | None = None
         self._done = False
-        self._total_reward = 0.0
-        self._last_info: dict[str, Any] = {}
 
     def reset(self, task_id: str | None = None, state: str | None = None,
               **_columns: Any) -> str | None:
@@ -60,44 +70,49 @@ class AgentGymTRLEnv:
             # when this object goes, or at exit.
             self._closer = weakref.finalize(self, self._env.close)
         if state:
-            _, info = self._env.reset(options={"state": EnvState.from_json(state)})
+            self._env.reset(options={"state": EnvState.from_json(state)})
         elif task_id is not None:
-            _, info = self._env.reset(options={"task_id": task_id})
+            self._env.reset(options={"task_id": task_id})
         else:
-            _, info = self._env.reset()
+            self._env.reset()
+        # Where scoring replays the episode from: the reset info (and its privileged part)
+        # is not kept, so nothing the policy must not see is held here.
+        self._start = self._env.unwrapped.save_state()
         self._done = False
-        self._total_reward = 0.0
-        self._last_info = info
         return None
 
-    def _act(self, text: str) -> str:
-        """One env step with ``text`` as the assistant's message; returns the observation."""
+    def _call_tool(self, argument: str) -> str:
+        """The observation of the env's tool called with ``argument``, written by the env's
+        own protocol: what the model is shown while TRL generates. The score is the replay's
+        (``_score``), where the env judges the reply the model actually wrote."""
         if self._env is None:
             raise RuntimeError("reset() the environment first")
         if self._done:
             return EPISODE_OVER
-        observation, reward, terminated, truncated, info = self._env.step(text)
-        self._total_reward += float(reward)
+        observation, _, terminated, truncated, _ = self._env.step(
+            self._env.unwrapped.protocol.format(argument))
         self._done = terminated or truncated
-        self._last_info = info
         return observation
 
-    def _call_tool(self, argument: str) -> str:
-        """The env's tool called with ``argument``, written by the env's own protocol."""
-        return self._act(self._env.unwrapped.protocol.format(argument))
+    def _score(self, replies: Sequence[str]) -> float:
+        """The env's total reward for the episode whose assistant turns are ``replies``
+        (verbatim, each one the model finished), played from the row's starting point."""
+        if self._env is None or self._start is None:
+            raise RuntimeError("reset() the environment first")
+        self._env.reset(options={"state": self._start})
+        total = 0.0
+        for reply in replies:
+            _, reward, terminated, truncated, _ = self._env.step(reply)
+            total += float(reward)
+            if terminated or truncated:
+                break
+        self._done = True  # the episode was scored: a later tool call plays nothing
+        return total
 
     def _close(self) -> None:
         """Close the env now (private: TRL exposes each public method as a tool)."""
         if self._env is not None:
             self._closer()
-
-    # Private, like every helper here: TRL exposes each public method as a tool.
-    def _finish(self, final_reply: str | None) -> float:
-        """Play the final reply (if the episode is still open) and return the episode's
-        total reward."""
-        if final_reply is not None and not self._done and self._env is not None:
-            self._act(final_reply)
-        return self._total_reward
 
 
 def _tool_method(schema: Mapping[str, Any]) -> Callable[..., str]:
@@ -157,32 +172,72 @@ def trl_environment(env_id: str, **env_kwargs: Any) -> type[AgentGymTRLEnv]:
     return type(class_name, (AgentGymTRLEnv,), namespace)
 
 
-def env_reward(completions: Sequence[Any], environments: Sequence[AgentGymTRLEnv],
-               **_: Any) -> list[float]:
-    """TRL reward function: each episode's total env reward, after its final reply.
+class _CompletionTurns:
+    """Cuts a TRL completion, given as token ids, into the assistant's turns.
 
-    The final reply is the last assistant message of the completion when the model ended
-    without a tool call; a completion that ends in a tool result (TRL stopped the tool loop)
-    has no final reply and keeps the reward earned so far.
+    TRL builds a multi-turn completion as ``turn + tool results + turn + ...``: each turn is
+    what the model sampled, ended by its end-of-sequence token, and TRL appends the tool
+    results rendered by the chat template, ending with the template's generation prompt
+    (``<|im_start|>assistant\\n`` in ChatML), after which the next turn begins. A turn
+    without the end token was cut at the length limit; only the last one can be, since
+    TRL stops a completion that has no room left.
     """
-    rewards = []
-    for completion, environment in zip(completions, environments, strict=True):
-        rewards.append(environment._finish(_final_reply(completion)))
-    return rewards
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no end-of-sequence token to end a turn with")
+        probe = [{"role": "user", "content": "?"}]
+        closed = tokenizer.apply_chat_template(probe, tokenize=False)
+        opened = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        if not opened.startswith(closed) or opened == closed:
+            raise ValueError("the chat template's generation prompt does not extend the chat, "
+                             "so a completion's turns cannot be told apart")
+        self.tokenizer = tokenizer
+        self.header = list(tokenizer.encode(opened[len(closed):], add_special_tokens=False))
+        self.end = tokenizer.eos_token_id
+
+    def finished(self, completion_ids: Sequence[int]) -> list[str]:
+        """The text of every turn the model ended itself, in order; a cut last turn is
+        left out (eval never shows a cut reply to the env)."""
+        ids = list(completion_ids)
+        replies: list[str] = []
+        start = 0
+        while True:
+            try:
+                end = ids.index(self.end, start)
+            except ValueError:  # cut at the length limit
+                return replies
+            replies.append(self.tokenizer.decode(ids[start:end], skip_special_tokens=False))
+            start = _find(ids, self.header, end + 1)
+            if start < 0:
+                return replies
+            start += len(self.header)
 
 
-def _final_reply(completion: Any) -> str | None:
-    if isinstance(completion, str):
-        return completion
-    if not completion:
-        return None
-    last = completion[-1]
-    if last.get("role") != "assistant" or last.get("tool_calls"):
-        return None
-    content = last.get("content")
-    if isinstance(content, list):  # multimodal content parts
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content or ""
+def _find(ids: Sequence[int], part: Sequence[int], start: int) -> int:
+    """Where ``part`` first occurs in ``ids`` at or after ``start``; -1 when it does not.
+    The tool results it skips are env observations, whose control tokens the env breaks
+    up, so the generation prompt does not occur inside them; only TRL's note of a call it
+    could not make (an unknown tool) quotes the model, which then scores its own text."""
+    width = len(part)
+    for i in range(start, len(ids) - width + 1):
+        if ids[i : i + width] == part:
+            return i
+    return -1
+
+
+def trl_reward(tokenizer: PreTrainedTokenizerBase) -> Callable[..., list[float]]:
+    """TRL reward function (named ``env_reward`` in TRL's logs): each episode's total env
+    reward, the episode replayed from its completion's tokens (see the module docstring).
+    ``tokenizer`` is the trainer's ``processing_class``."""
+    turns = _CompletionTurns(tokenizer)
+
+    def env_reward(completion_ids: Sequence[Sequence[int]],
+                   environments: Sequence[AgentGymTRLEnv], **_: Any) -> list[float]:
+        return [environment._score(turns.finished(ids))
+                for ids, environment in zip(completion_ids, environments, strict=True)]
+
+    return env_reward
 
 
 def trl_dataset(env_id: str, *, task_ids: Iterable[str] | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent_gym.cli.main import main
-from tests.helpers.eval_runs import GSM8K, make_run
+from tests.helpers.eval_runs import GSM8K, make_run, run_held_by_another_process
 
 
 def _fails_cleanly(argv: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
@@ -131,27 +131,12 @@ def test_a_second_eval_on_one_out_is_refused_naming_the_first(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
-    first = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys\n"
-            "from pathlib import Path\n"
-            "from agent_gym.eval.config import EvalConfig\n"
-            "from agent_gym.eval.runlog import RunLog\n"
-            "log = RunLog(Path(sys.argv[1]), EvalConfig('agent_gym/GSM8K-v0', 'oracle', 2))\n"
-            "print('holding', flush=True)\n"
-            "sys.stdin.read()\n"
-        ), str(run)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert first.stdout is not None and first.stdout.readline() == "holding\n"
+    with run_held_by_another_process(run) as first:
         before = _snapshot(run)
         _fails_cleanly(["eval", GSM8K, "--episodes", "2", "--out", str(run), "--quiet"],
                        capsys, "is being written by another eval", f"pid {first.pid} on",
                        "another --out")
         assert _snapshot(run) == before
-    finally:
-        first.communicate("", timeout=60)
     assert main(["eval", GSM8K, "--episodes", "2", "--out", str(run), "--quiet"]) == 0
 
 

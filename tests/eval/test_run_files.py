@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ from agent_gym.eval.runlog import (
 )
 from agent_gym.eval.runs import read_run
 from agent_gym.eval.summary import overall_summary
-from tests.helpers.eval_runs import GSM8K, make_run
+from tests.helpers.eval_runs import GSM8K, make_run, run_held_by_another_process
 
 EPISODES = 6
 
@@ -188,26 +186,10 @@ def test_a_second_writer_of_a_run_is_refused_naming_the_first(tmp_path: Path) ->
     run = tmp_path / "run"
     make_run(run, episodes=2)
     before = (run / "episodes.jsonl").read_bytes()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys\n"
-            "from pathlib import Path\n"
-            "from agent_gym.eval.config import EvalConfig\n"
-            "from agent_gym.eval.runlog import RunLog\n"
-            "log = RunLog(Path(sys.argv[1]), EvalConfig('agent_gym/GSM8K-v0', 'oracle', 2))\n"
-            "print('holding', flush=True)\n"
-            "sys.stdin.read()\n"
-            "log.close()\n"
-        ), str(run)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+    with run_held_by_another_process(run) as holder:
         with pytest.raises(RunLockedError, match=f"another eval \\(pid {holder.pid} on "):
             _resume(run)
         assert (run / "episodes.jsonl").read_bytes() == before
-    finally:
-        holder.communicate("", timeout=60)
     assert holder.returncode == 0
     assert not _resume(run)[1:]  # the holder is gone: the directory is free again
 

@@ -1,11 +1,15 @@
 """Eval runs made inside a test with the real eval code: the oracle, and the oracle made
-wrong on chosen tasks (so two runs differ exactly where a test says)."""
+wrong on chosen tasks (so two runs differ exactly where a test says); a run another process
+is writing."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Collection
+import subprocess
+import sys
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +55,26 @@ def episodes(run: Path) -> list[dict[str, Any]]:
 
 def write_episodes(run: Path, records: list[dict[str, Any]]) -> None:
     (run / "episodes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@contextlib.contextmanager
+def run_held_by_another_process(run: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process that holds ``run`` as its writer (``RunLog``) until the block ends."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys\n"
+            "from pathlib import Path\n"
+            "from agent_gym.eval.config import EvalConfig\n"
+            "from agent_gym.eval.runlog import RunLog\n"
+            "log = RunLog(Path(sys.argv[1]), EvalConfig('agent_gym/GSM8K-v0', 'oracle', 2))\n"
+            "print('holding', flush=True)\n"
+            "sys.stdin.read()\n"
+            "log.close()\n"
+        ), str(run)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        yield holder
+    finally:
+        holder.communicate("", timeout=60)

@@ -12,6 +12,9 @@ the chat as the model saw it), and a message with ``"content": null`` is answere
 HTTP 500 (``null_style`` picks whose wording). With the GGUF's own template, its default,
 the real server ignores tools whatever is sent and keeps tool content. ``context_limit`` rejects a prompt longer than that many tokens (counted
 as characters / 4) with HTTP 400 and the message of ``context_style``'s server.
+A request with ``"stream": true`` is answered as OpenAI streams: server-sent events, one
+chunk with the whole message, one with the finish reason, one with the usage, then
+``[DONE]`` (verifiers' harnesses only stream).
 """
 
 from __future__ import annotations
@@ -157,11 +160,33 @@ class ChatServer:
                     message.pop("tool_calls", None)
                 finish = behaviour.finish_reason or (
                     "tool_calls" if message.get("tool_calls") else "stop")
+                usage = {"prompt_tokens": tokens, "completion_tokens": 7}
+                if body.get("stream"):
+                    return self._stream(body, message, finish, usage)
                 payload = {
                     "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                    "usage": {"prompt_tokens": tokens, "completion_tokens": 7},
+                    "usage": usage,
                 }
                 self._send(200, json.dumps(payload).encode())
+
+            def _stream(self, body: dict[str, Any], message: dict[str, Any], finish: str,
+                        usage: dict[str, int]) -> None:
+                delta = {**message, "tool_calls": [
+                    {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+                ]} if message.get("tool_calls") else message
+                chunks = [{"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                          {"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]},
+                          {"choices": [], "usage": {
+                              **usage, "total_tokens": sum(usage.values())}}]
+                head = {"id": "chatcmpl-double", "object": "chat.completion.chunk",
+                        "created": 0, "model": body.get("model", "")}
+                events = "".join(f"data: {json.dumps({**head, **chunk})}\n\n" for chunk in chunks)
+                data = (events + "data: [DONE]\n\n").encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
 
             def _send(self, status: int, data: bytes) -> None:
                 self.send_response(status)
