@@ -10,14 +10,18 @@ of them. The wire format follows OpenEnv's ``openenv`` package (``openenv.core.e
   ``{"type": "state", "data": {...}}`` or ``{"type": "error", "data": {"message", "code"}}``
   with OpenEnv's error codes. A bad frame gets an error frame and the session goes on.
 * HTTP ``POST /reset``, ``POST /step``, ``GET /state``, ``GET /schema``, ``GET /metadata``,
-  ``GET /health`` and ``POST /mcp`` (JSON-RPC ``tools/list``). OpenEnv's own HTTP reset and
-  step build a throwaway env per request, which cannot hold a multi-turn episode; here
-  ``/reset`` opens a session whose id comes back as ``observation.session_id`` and is passed
-  to ``/step`` and ``/state`` (an extra request field, which OpenEnv's request models allow),
-  and ``POST /close`` ends it.
+  ``GET /health``, and OpenEnv's task API (``GET /list_environments``, ``/{env}/splits``,
+  ``POST /{env}/tasks``, ``/num_tasks``, ``/task``, ``/task_range``: ``add_task_routes``).
+  OpenEnv's own HTTP reset and step build a throwaway env per request, which cannot hold a
+  multi-turn episode; here ``/reset`` opens a session whose id comes back as
+  ``observation.session_id`` and is passed to ``/step`` and ``/state`` (an extra request
+  field, which OpenEnv's request models allow), and ``POST /close`` ends it.
+* MCP (``agent_gym.serve.mcp``): JSON-RPC on ``POST /mcp``, the ``/mcp`` WebSocket and the
+  ``mcp`` frame of ``/ws``; ``/ws?session_id=`` attaches to a session opened over HTTP.
 
 Extensions inside the spec: ``reset`` data may carry ``state`` (an ``EnvState`` as saved by
-``save_state``) to restore mid-episode, or ``task_id`` / ``index`` to pick a task; the
+``save_state``) to restore mid-episode, or ``task_id`` / ``index`` (with ``split``) to pick
+a task; the
 ``state`` reply carries the session's current ``EnvState`` as ``env_state``.
 
 Privileged info (reference answers, oracle actions, walkthroughs, gold passages) is never
@@ -60,6 +64,7 @@ except ImportError as err:  # the server's stack is an optional extra
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
 from agent_gym import untrusted
+from agent_gym.serve import mcp
 from agent_gym.serve.sessions import ServerConfig, Session, SessionPool
 from agent_gym.serve.wire import (
     ACTION_SCHEMA,
@@ -75,8 +80,7 @@ from agent_gym.serve.wire import (
     VALIDATION_ERROR,
     ProtocolError,
     dumps,
-    mcp_tools,
-    rpc_error,
+    server_version,
 )
 
 log = logging.getLogger(__name__)
@@ -126,12 +130,14 @@ def create_app(config: ServerConfig) -> FastAPI:
                 await reaper
             await pool.shutdown()
 
-    app = FastAPI(title=f"agent-gym {config.env_id}", version=_version(), lifespan=lifespan)
+    app = FastAPI(title=f"agent-gym {config.env_id}", version=server_version(),
+                  lifespan=lifespan)
     if config.token is not None:
         app.add_middleware(RequireToken, token=config.token)
     app.state.pool = pool
     add_http_routes(app, pool)
     add_mcp_route(app, pool)
+    add_task_routes(app, pool)
     add_websocket_route(app, pool)
     return app
 
@@ -302,7 +308,7 @@ def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
         return {
             "name": config.env_id,
             "description": env_description(config.env_id),
-            "version": _version(),
+            "version": server_version(),
             "author": "agent-gym",
             "readme_content": None,
             "documentation_url": None,
@@ -349,42 +355,165 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 # --------------------------------------------------------------------- MCP
 def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
-    """``POST /mcp``: JSON-RPC 2.0 ``tools/list``."""
+    """MCP's JSON-RPC (``agent_gym.serve.mcp``) on ``POST /mcp``, where a call names its
+    session, and on the ``/mcp`` WebSocket, one session per connection."""
     config = pool.config
 
     @app.post("/mcp", tags=["MCP"])
-    async def mcp(request: Request) -> JSONText:
-        """JSON-RPC 2.0 ``tools/list``: the env's tools. Episodes run on /ws and /step."""
+    async def mcp_http(request: Request) -> Response:
+        """JSON-RPC 2.0: initialize, tools/list, tools/call, OpenEnv's session methods."""
         try:
             body = await read_body(request, config.max_request_bytes)
         except ProtocolError as exc:
             return JSONText({"detail": exc.payload()}, status_code=exc.status)
-        return JSONText(await mcp_reply(body, pool))
+        reply = await mcp_answer(pool, body or b"{}", None)
+        # A notification gets no response: MCP's HTTP transport acknowledges it with 202.
+        return Response(status_code=202) if reply is None else JSONText(reply)
+
+    @app.websocket("/mcp")
+    async def mcp_websocket(websocket: WebSocket) -> None:
+        await websocket.accept()
+        try:
+            session = await pool.open()
+        except ProtocolError as exc:
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+                await websocket.send_text(dumps(mcp.rpc_error(
+                    None, mcp.SERVER_ERROR, str(exc), {"code": exc.code, **exc.extra})))
+                await websocket.close()
+            return
+
+        async def hang_up() -> None:
+            why = config.idle_closed()
+            await websocket.send_text(dumps(mcp.rpc_error(
+                None, mcp.SERVER_ERROR, why, {"code": SESSION_ERROR})))
+            await websocket.close(code=1000, reason=why)
+
+        session.on_reaped = hang_up
+        try:
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                raw = message.get("text")
+                if raw is None:
+                    raw = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+                if len(raw.encode("utf-8", errors="replace")) > config.max_request_bytes:
+                    reply = mcp.rpc_error(None, mcp.INVALID_REQUEST, "the frame is larger "
+                                          f"than the server's limit of "
+                                          f"{config.max_request_bytes} bytes")
+                else:
+                    reply = await mcp_answer(pool, raw, session)
+                if reply is not None:
+                    await websocket.send_text(dumps(reply))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await pool.close(session)
+            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+                await websocket.close()
 
 
-async def mcp_reply(body: bytes, pool: SessionPool) -> dict[str, Any]:
+async def mcp_answer(pool: SessionPool, text: str | bytes, session: Session | None
+                     ) -> dict[str, Any] | None:
+    """The JSON-RPC response to a body or frame (None for a notification)."""
     try:
-        request = await parsed(pool, body or b"{}")
+        request = await parsed(pool, text)
     except ProtocolError as exc:
-        return rpc_error(None, -32700, f"Parse error: {exc}")
-    if not isinstance(request, dict) or request.get("jsonrpc") != "2.0" or "method" not in request:
-        return rpc_error(request.get("id") if isinstance(request, dict) else None, -32600,
-                         "Invalid Request: expected a JSON-RPC 2.0 request")
-    if request["method"] != "tools/list":
-        return rpc_error(request.get("id"), -32601, f"Method not found: {request['method']}; "
-                         "only tools/list is served (episodes run on /ws)")
-    if pool.tools is None:
-        pool.tools = await pool.run(_env_tools, pool.config.env_id, dict(pool.config.env_kwargs))
-    tools = pool.tools
-    return {"jsonrpc": "2.0", "id": request.get("id"), "result": {"tools": mcp_tools(tools)}}
+        return mcp.rpc_error(None, mcp.PARSE_ERROR, f"Parse error: {exc}")
+    return await mcp.rpc_reply(pool, request, session)
 
 
-def _env_tools(env_id: str, env_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-    env = gymnasium.make(env_id, **env_kwargs)
-    try:
-        return env.reset(options={"index": 0})[1]["tools"]
-    finally:
-        env.close()
+# --------------------------------------------------------------------- task API
+def add_task_routes(app: FastAPI, pool: SessionPool) -> None:
+    """OpenEnv's task API (``HTTPEnvServer``'s routes for an env with ``list_splits`` and
+    friends): the server's one split, its tasks as ``{"id", "index"}`` (never a task's
+    payload, which holds its answer), and ``reset`` by ``split`` and ``index``. The env is
+    named by its id's last part (``Search-v0``), as a URL path segment cannot hold '/'."""
+    name = task_env_name(pool.config.env_id)
+
+    async def tasks_of(env_name: str, request: Request | None) -> tuple[Any, list[str], Any]:
+        """The served split, its task ids and the request body, after checking both."""
+        if env_name.lower() != name.lower():
+            raise ProtocolError(VALIDATION_ERROR, f"unknown environment {env_name!r}; this "
+                                f"server serves {name!r}", status=404)
+        catalogue = await pool.catalogue()
+        body: dict[str, Any] = {}
+        if request is not None:
+            payload = await parsed(pool, await read_body(request, pool.config.max_request_bytes)
+                                   or b"{}")
+            if not isinstance(payload, dict):
+                raise ProtocolError(VALIDATION_ERROR, "the request body must be a JSON object")
+            body = payload
+            if body.get("split") != catalogue.split:
+                raise ProtocolError(VALIDATION_ERROR, f"split {body.get('split')!r} is not "
+                                    f"served here; this server's split is "
+                                    f"{catalogue.split!r}")
+        return catalogue.split, list(catalogue.task_ids), body
+
+    def spec(task_ids: list[str], index: int) -> dict[str, Any]:
+        return {"id": task_ids[index], "index": index}
+
+    async def answered(handler: Callable[[], Awaitable[Any]]) -> JSONText:
+        try:
+            return JSONText(await handler())
+        except ProtocolError as exc:
+            return JSONText({"detail": exc.payload()}, status_code=exc.status)
+
+    @app.get("/list_environments", tags=["Task API"])
+    async def list_environments() -> JSONText:
+        return JSONText([name])
+
+    @app.get("/{env_name}/splits", tags=["Task API"])
+    async def list_splits(env_name: str) -> JSONText:
+        async def handle() -> Any:
+            split, _, _ = await tasks_of(env_name, None)
+            kind = split if split in ("train", "validation", "test") else "validation"
+            return [{"name": split, "type": kind}]
+        return await answered(handle)
+
+    @app.post("/{env_name}/tasks", tags=["Task API"])
+    async def list_tasks(env_name: str, request: Request) -> JSONText:
+        async def handle() -> Any:
+            _, ids, _ = await tasks_of(env_name, request)
+            return {"tasks": [spec(ids, i) for i in range(len(ids))], "env_name": name}
+        return await answered(handle)
+
+    @app.post("/{env_name}/num_tasks", tags=["Task API"])
+    async def num_tasks(env_name: str, request: Request) -> JSONText:
+        async def handle() -> Any:
+            _, ids, _ = await tasks_of(env_name, request)
+            return {"num_tasks": len(ids)}
+        return await answered(handle)
+
+    @app.post("/{env_name}/task", tags=["Task API"])
+    async def get_task(env_name: str, request: Request) -> JSONText:
+        async def handle() -> Any:
+            _, ids, body = await tasks_of(env_name, request)
+            index = body.get("index")
+            if isinstance(index, bool) or not isinstance(index, int) or \
+                    not 0 <= index < len(ids):
+                raise ProtocolError(VALIDATION_ERROR, f"index must be a whole number in "
+                                    f"[0, {len(ids)}), got {index!r}")
+            return {"task": spec(ids, index)}
+        return await answered(handle)
+
+    @app.post("/{env_name}/task_range", tags=["Task API"])
+    async def get_task_range(env_name: str, request: Request) -> JSONText:
+        async def handle() -> Any:
+            _, ids, body = await tasks_of(env_name, request)
+            bounds = [body.get("start"), body.get("stop")]
+            if any(b is not None and (isinstance(b, bool) or not isinstance(b, int))
+                   for b in bounds):
+                raise ProtocolError(VALIDATION_ERROR, "start and stop must be whole numbers "
+                                    "or null")
+            chosen = range(len(ids))[slice(*bounds)]
+            return {"tasks": [spec(ids, i) for i in chosen]}
+        return await answered(handle)
+
+
+def task_env_name(env_id: str) -> str:
+    """The name the task API knows an env by: its id without the namespace."""
+    return env_id.rsplit("/", 1)[-1]
 
 
 # --------------------------------------------------------------------- WebSocket
@@ -396,7 +525,8 @@ def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
     async def websocket_session(websocket: WebSocket) -> None:
         await websocket.accept()
         try:
-            session = await pool.open()
+            # ``?session_id=``: attach to a session opened over HTTP (OpenEnv's MCP client).
+            session = await pool.open_or_attach(websocket.query_params.get("session_id"))
         except ProtocolError as exc:
             with contextlib.suppress(RuntimeError, WebSocketDisconnect):
                 await send_error(websocket, exc)
@@ -416,7 +546,7 @@ def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
         except WebSocketDisconnect:
             pass
         finally:
-            await pool.close(session)
+            await pool.release(session)
             with contextlib.suppress(RuntimeError, WebSocketDisconnect):
                 await websocket.close()
 
@@ -450,12 +580,19 @@ async def serve_frames(
             if kind == "reset":
                 reply = {"type": "observation", "data": await pool.reset(session, data or {})}
             elif kind == "step":
-                reply = {"type": "observation", "data": await pool.step(session, data)}
+                outcome = (mcp.step_action(pool, session, data) if mcp.is_mcp_action(data)
+                           else pool.step(session, data))
+                reply = {"type": "observation", "data": await outcome}
             elif kind == "state":
                 reply = {"type": "state", "data": await pool.state(session)}
             elif kind == PRIVILEGED:
                 check_critic(pool.config, data)
                 reply = {"type": PRIVILEGED, "data": await pool.privileged(session)}
+            elif kind == "mcp":  # JSON-RPC on the session; a notification gets no reply
+                answer = await mcp.rpc_reply(pool, data, session)
+                if answer is None:
+                    continue
+                reply = {"type": "mcp", "data": answer}
             else:
                 raise ProtocolError(UNKNOWN_TYPE, f"Unknown message type: {kind}")
         except ProtocolError as exc:
@@ -477,15 +614,6 @@ async def send_error(websocket: WebSocket, error: ProtocolError) -> None:
 
 def error_frame(error: ProtocolError) -> str:
     return dumps({"type": "error", "data": error.payload()})
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("agent-gym")
-    except PackageNotFoundError:
-        return "0.0.0"
 
 
 def serve(

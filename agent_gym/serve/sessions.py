@@ -2,8 +2,9 @@
 ``max_sessions`` of them, idle ones reaped; a session's reset, step and state calls.
 
 Trust: every env is built from the server's own ``env_id`` and ``--env-arg`` settings; a
-client's state is accepted only if it was saved from an env with those settings. An
-episode's privileged info stays here (``Session.privileged``) for a critic to ask for.
+client's state is accepted only if it was saved from an env with those settings
+(``reset_env``, which the in-process OpenEnv ``Environment`` shares). An episode's
+privileged info stays here (``Session.privileged``) for a critic to ask for.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ DEFAULT_MAX_SESSIONS = 64
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 MAX_REAPED_IDS = 10_000
+# The name of the one split a server serves when its env was built without a ``split``
+# setting: every task the env holds.
+ALL_TASKS = "all"
+RESET_FIELDS = ("seed", "episode_id", "task_id", "index", "split", "state")
 T = TypeVar("T")
 
 
@@ -94,8 +99,21 @@ class Session:
     # a critic; None until a reset succeeds, so also whether there is an episode to step.
     privileged: dict[str, Any] | None = None
     closed: bool = False
+    # Whether a WebSocket that did not open this session is attached (``open_or_attach``):
+    # OpenEnv's MCP client opens a session over HTTP, then resets it over ``/ws``.
+    attached: bool = False
     # A WebSocket session's way to tell its client, when the reaper closes it, and hang up.
     on_reaped: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """What every session's env offers, the same for all since they are built alike: the
+    split its tasks come from, their ids in order, and the tools its episodes offer."""
+
+    split: str
+    task_ids: tuple[str, ...]
+    tools: tuple[dict[str, Any], ...]
 
 
 class SessionPool:
@@ -119,7 +137,8 @@ class SessionPool:
             max_workers=min(config.max_sessions, 256), thread_name_prefix="agent-gym-env"
         )
         self._own_kwargs: dict[str, Any] | None = None
-        self.tools: list[dict[str, Any]] | None = None
+        self._catalogue: Catalogue | None = None
+        self._catalogue_lock = asyncio.Lock()  # the first askers wait for one build
 
     async def run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -158,6 +177,38 @@ class SessionPool:
         session = Session(secrets.token_hex(16), env)
         self.sessions[session.session_id] = session
         return session
+
+    async def open_or_attach(self, session_id: str | None) -> Session:
+        """A new session, or the open one named ``session_id`` for a WebSocket to attach
+        to (one WebSocket at a time); ``release`` undoes either."""
+        if session_id is None:
+            return await self.open()
+        session = self.get(session_id)
+        if session.attached:
+            raise ProtocolError(SESSION_ERROR, f"session {session_id!r} already has a "
+                                "WebSocket attached", status=409)
+        session.attached = True
+        session.last_active = time.monotonic()
+        return session
+
+    async def release(self, session: Session) -> None:
+        """The end of a WebSocket: an attached session stays open for whoever opened it
+        (closed by them, or by the reaper); one the WebSocket opened is closed."""
+        if session.attached and session.session_id in self.sessions:
+            session.attached = False
+            session.on_reaped = None
+            session.last_active = time.monotonic()
+            return
+        await self.close(session)
+
+    async def catalogue(self) -> Catalogue:
+        """The env's split, task ids and tools, learnt once from an env built and reset
+        in a worker thread (a session's own env may be mid-episode)."""
+        async with self._catalogue_lock:
+            if self._catalogue is None:
+                self._catalogue = await self.run(describe, self.config.env_id,
+                                                 dict(self.config.env_kwargs))
+        return self._catalogue
 
     def get(self, session_id: Any) -> Session:
         if not isinstance(session_id, str) or not session_id:
@@ -276,58 +327,94 @@ class SessionPool:
     def _reset_env(
         self, env: gymnasium.Env, data: Mapping[str, Any]
     ) -> tuple[str, dict[str, Any], str | None]:
-        """Check a reset's data and reset ``env`` with it (in a worker thread: a state to
-        parse and restore may be megabytes long); its observation, info and episode id."""
-        seed, options, episode_id = self._reset_arguments(data)
-        try:
-            observation, info = env.reset(seed=seed, options=options)
-        except StateError as exc:
-            raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
-        except (KeyError, IndexError, ValueError, TypeError) as exc:
-            raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
-        return observation, info, episode_id
+        """``reset_env`` with this server's settings (in a worker thread: a state to parse
+        and restore may be megabytes long)."""
+        return reset_env(env, data, self.config.env_id, self._own_kwargs or {})
 
-    def _reset_arguments(
-        self, data: Mapping[str, Any]
-    ) -> tuple[int | None, dict[str, Any], str | None]:
-        if not isinstance(data, Mapping):
-            raise ProtocolError(VALIDATION_ERROR, "reset data must be a JSON object")
-        unknown = set(data) - {"seed", "episode_id", "state", "task_id", "index"}
-        if unknown:
-            raise ProtocolError(VALIDATION_ERROR, f"unknown reset fields {sorted(unknown)}; "
-                                "use seed, episode_id, task_id, index or state")
-        seed = data.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-            raise ProtocolError(VALIDATION_ERROR, "seed must be a non-negative integer")
-        episode_id = data.get("episode_id")
-        if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
-            raise ProtocolError(VALIDATION_ERROR, "episode_id must be a string of at most 255 "
-                                "characters")
-        options = {key: data[key] for key in ("task_id", "index") if key in data}
-        if "state" in data:
-            if options or seed is not None:
-                raise ProtocolError(VALIDATION_ERROR, "'state' cannot be combined with seed, "
-                                    "task_id or index: the state names its task and seed")
-            options["state"] = self._trusted_state(data["state"])
-        return seed, options, episode_id
 
-    def _trusted_state(self, raw: Any) -> EnvState:
-        """Parse a client's state and accept it only for this server's env and settings."""
-        try:
-            state = EnvState.from_json(raw) if isinstance(raw, str) else EnvState.from_dict(raw)
-        except StateError as exc:
-            raise ProtocolError(STATE_REFUSED, f"bad state: {exc}") from exc
-        if state.env_id != self.config.env_id:
-            raise ProtocolError(STATE_REFUSED, f"the state belongs to {state.env_id!r}; this "
-                                f"server hosts {self.config.env_id!r}")
-        if state.env_kwargs != self._own_kwargs:
-            raise ProtocolError(
-                STATE_REFUSED,
-                f"the state was saved from {state.env_id} built with {state.env_kwargs}; this "
-                f"server builds it with {self._own_kwargs} (its own --env-arg settings) and "
-                "never takes env settings from a client",
-            )
-        return state
+def reset_env(
+    env: gymnasium.Env, data: Mapping[str, Any], env_id: str, own_kwargs: Mapping[str, Any]
+) -> tuple[str, dict[str, Any], str | None]:
+    """Check a client's reset data and reset ``env`` (built as ``env_id`` with the host's
+    settings ``own_kwargs``) with it; its observation, info and episode id. Refusals are
+    ``ProtocolError``s, so every transport words them alike."""
+    seed, options, episode_id = reset_arguments(data, env_id, own_kwargs, served_split(env))
+    try:
+        observation, info = env.reset(seed=seed, options=options)
+    except StateError as exc:
+        raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
+    except (KeyError, IndexError, ValueError, TypeError) as exc:
+        raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
+    return observation, info, episode_id
+
+
+def reset_arguments(
+    data: Mapping[str, Any], env_id: str, own_kwargs: Mapping[str, Any], split: str
+) -> tuple[int | None, dict[str, Any], str | None]:
+    """A reset's seed, options and episode id from a client's data. ``split`` is the one
+    split the env serves: OpenEnv's task API resets by split and index, and the split is a
+    host setting, so naming another is refused rather than ignored."""
+    if not isinstance(data, Mapping):
+        raise ProtocolError(VALIDATION_ERROR, "reset data must be a JSON object")
+    unknown = set(data) - set(RESET_FIELDS)
+    if unknown:
+        raise ProtocolError(VALIDATION_ERROR, f"unknown reset fields {sorted(unknown)}; "
+                            f"use {', '.join(RESET_FIELDS)}")
+    seed = data.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise ProtocolError(VALIDATION_ERROR, "seed must be a non-negative integer")
+    episode_id = data.get("episode_id")
+    if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
+        raise ProtocolError(VALIDATION_ERROR, "episode_id must be a string of at most 255 "
+                            "characters")
+    if "split" in data and data["split"] != split:
+        raise ProtocolError(VALIDATION_ERROR, f"split {data['split']!r} is not served here: "
+                            f"this env's tasks are split {split!r} (the split is the host's "
+                            "setting: serve --env-arg split=...)")
+    options = {key: data[key] for key in ("task_id", "index") if key in data}
+    if "state" in data:
+        if options or seed is not None or "split" in data:
+            raise ProtocolError(VALIDATION_ERROR, "'state' cannot be combined with seed, "
+                                "task_id, index or split: the state names its task and seed")
+        options["state"] = trusted_state(data["state"], env_id, own_kwargs)
+    return seed, options, episode_id
+
+
+def trusted_state(raw: Any, env_id: str, own_kwargs: Mapping[str, Any]) -> EnvState:
+    """Parse a client's state and accept it only for ``env_id`` built with ``own_kwargs``."""
+    try:
+        state = EnvState.from_json(raw) if isinstance(raw, str) else EnvState.from_dict(raw)
+    except StateError as exc:
+        raise ProtocolError(STATE_REFUSED, f"bad state: {exc}") from exc
+    if state.env_id != env_id:
+        raise ProtocolError(STATE_REFUSED, f"the state belongs to {state.env_id!r}; this "
+                            f"server hosts {env_id!r}")
+    if state.env_kwargs != own_kwargs:
+        raise ProtocolError(
+            STATE_REFUSED,
+            f"the state was saved from {state.env_id} built with {state.env_kwargs}; this "
+            f"server builds it with {dict(own_kwargs)} (its own --env-arg settings) and "
+            "never takes env settings from a client",
+        )
+    return state
+
+
+def served_split(env: gymnasium.Env) -> str:
+    """The split an env's tasks come from: its ``split`` setting, or ``ALL_TASKS``."""
+    split = getattr(env.unwrapped, "_env_kwargs", {}).get("split")
+    return split if isinstance(split, str) and split else ALL_TASKS
+
+
+def describe(env_id: str, env_kwargs: Mapping[str, Any]) -> Catalogue:
+    """Build ``env_id`` and read its catalogue; the tools are a reset's (an env may choose
+    them by its protocol setting)."""
+    env = gymnasium.make(env_id, disable_env_checker=True, **env_kwargs)
+    try:
+        _, info = env.reset(options={"index": 0})
+        task_ids = tuple(task.task_id for task in env.unwrapped.tasks)
+        return Catalogue(served_split(env), task_ids, tuple(info.get("tools", ())))
+    finally:
+        env.close()
 
 
 def saved_state(env: gymnasium.Env) -> dict[str, Any] | None:

@@ -1,5 +1,5 @@
 """The wire format of ``agent-gym serve`` (OpenEnv's): error codes, request and response
-schemas, and the MCP ``tools/list`` entries and JSON-RPC errors (see ``agent_gym.serve.app``).
+schemas (see ``agent_gym.serve.app``; MCP's JSON-RPC is ``agent_gym.serve.mcp``).
 
 Every observation a client receives is built by ``observation_payload``, which leaves out
 the env's ``info["privileged"]`` (reference answers, oracle actions, walkthroughs, gold
@@ -141,11 +141,11 @@ def _convert(item: Any) -> Any:
     return str(item)
 
 
-def mcp_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """An env's tools (OpenAI function schemas) as MCP's ``tools/list`` entries."""
-    return [{"name": t["function"]["name"], "description": t["function"]["description"],
-             "inputSchema": t["function"]["parameters"]} for t in tools]
+def server_version() -> str:
+    """agent-gym's version, which the server reports (OpenAPI, metadata, MCP)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-
-def rpc_error(request_id: Any, code: int, message: str) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": request_id, "error": {"code": code, "message": message}}
+    try:
+        return version("agent-gym")
+    except PackageNotFoundError:
+        return "0.0.0"

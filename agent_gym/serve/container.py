@@ -1,0 +1,42 @@
+"""What the OpenEnv packages in ``deploy/openenv/`` run: ``agent-gym serve`` for one env the
+way a container serves it, on every interface at port 8000 with every route but ``/health``
+behind the bearer token in ``AGENT_GYM_TOKEN`` (off loopback the server refuses to start
+without one). Each package's ``server/app.py`` names its env and calls these."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+TOKEN_ENV = "AGENT_GYM_TOKEN"
+PORT = 8000
+
+
+def serve_command(env_id: str, extra: Sequence[str] = ()) -> list[str]:
+    """The ``agent-gym`` arguments that serve ``env_id`` in a container; ``extra`` adds
+    options (``--env-arg max_turns=5``, ``--critic-token-env VAR``, ...)."""
+    return ["serve", env_id, "--host", "0.0.0.0", "--port", str(PORT),
+            "--token-env", TOKEN_ENV, *extra]
+
+
+def serve_main(env_id: str, extra: Sequence[str] = ()) -> int:
+    """Run ``agent-gym serve`` for ``env_id`` as a container does, until stopped."""
+    from agent_gym.cli.main import main
+
+    return main(serve_command(env_id, extra))
+
+
+def asgi_app(env_id: str) -> FastAPI:
+    """The server's ASGI app for runtimes that import one (``openenv.yaml``'s ``app``),
+    with the same token rule: such a runtime chooses where it listens."""
+    from agent_gym.serve.app import create_app
+    from agent_gym.serve.sessions import ServerConfig
+
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise RuntimeError(f"{TOKEN_ENV} is not set: the server needs a bearer token")
+    return create_app(ServerConfig(env_id, token=token))
