@@ -25,10 +25,13 @@ The goal is a loaded p95 within 2x the idle one.
 Then how many paced sessions one server core holds ("sessions"): 16, 256 and 1,000
 concurrent WebSocket sessions of Search-v0, each reset once and then stepping once every
 ``--pace`` seconds (1 s: a model thinking between replies) at a random phase, from one
-asyncio loop in this process. The server gets a fresh process per level, pinned to core 0
-and this client to core 1 (``os.sched_setaffinity``; the server's worker threads inherit
-it), so the figures are one server core's and the client does not compete with it; other
-work on the machine is not pinned and shows in the load average and "machine_busy_percent".
+asyncio loop in this process. The first round of steps warms up; then each level measures
+``--duration`` seconds, longer where it takes that for MIN_SAMPLES steps (16 sessions: 125 s).
+The server (``agent-gym serve --max-sessions N``, otherwise its defaults) gets a fresh
+process per level, so its memory is that level's. It is pinned to core 0 and this client
+to core 1 (``os.sched_setaffinity``; the server's worker threads inherit it), so the figures
+are one server core's and the client does not compete with it; other work on the machine
+is not pinned and shows in the load average and "machine_busy_percent".
 The env is ``bench/TimedSearch-v0``: Search-v0 whose step also puts in its info when it
 started and ended, read on CLOCK_MONOTONIC, which every process of the machine shares.
 A step's **added latency** is its round trip as this client sees it (frame sent to reply
@@ -39,8 +42,9 @@ the event loop's queue on both sides, and loopback TCP. The client's own share i
 env started) and "outbound" (env ended to reply read), and the client's lag (how late it
 sent a step it had scheduled) is given too. Per level: p50/p99 of added, round trip, env
 step, inbound and outbound; errors (error frames, timeouts, dropped connections: must be
-0); the server's RSS with every session open and its CPU (percent of one core) over the
-measured window; the client's CPU; the load average; seconds to open the sessions.
+0); the server's RSS before the sessions and with every session open (and so per session),
+its threads and open files, and its CPU (percent of one core) over the measured window; the
+client's CPU; the machine's load average and busy share; seconds to open the sessions.
 
     .venv/bin/python benchmarks/bench_serve.py [--steps 960] [--rate 400]
         [--section throughput --section capacity --section health --section sessions]
@@ -451,6 +455,7 @@ async def hold_sessions(url: str, pid: int, sessions: int, pace: float, duration
         "when was the town founded", question.rstrip("?"))}) for question in questions]
     tally = Tally()
     gate = asyncio.Semaphore(OPENING)
+    idle = server_process(pid)
     opening = time.monotonic()
     sockets = await asyncio.gather(*(open_session(url, index % len(questions), gate, tally)
                                      for index in range(sessions)))
@@ -471,6 +476,8 @@ async def hold_sessions(url: str, pid: int, sessions: int, pace: float, duration
                            for index, ws in enumerate(live)))
     usage = await watch
     held = server_process(pid)  # every session still open
+    held["rss_mb_before_sessions"] = idle["rss_mb"]
+    held["kb_per_session"] = round(1024 * (held["rss_mb"] - idle["rss_mb"]) / sessions, 1)
     await asyncio.gather(*(ws.close() for ws in live))
     return {
         "sessions": sessions, "sessions_open": len(live), "open_s": round(open_s, 2),

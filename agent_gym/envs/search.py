@@ -19,6 +19,7 @@ from agent_gym.search import (
     SearchError,
     cache_root,
     open_backend,
+    world_large,
 )
 
 SEARCH_TOOL = ToolSpec(
@@ -78,7 +79,11 @@ class SearchEnv(OutcomeEnv):
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``golden_answers`` (FlashRAG),
             ``answers`` or ``answer``; overrides ``dataset``.
-        dataset: ``"bundled"`` (the original set, answerable from the bundled corpus), or
+        dataset: ``"bundled"`` (the original set, answerable from the bundled corpus),
+            ``"world-large"`` (an original set of 1000 train and 250 test questions over a
+            4120-passage corpus, generated into the cache on first use and checked against
+            its recorded digests: `agent_gym.search.world_large`; the ``bm25`` backend then
+            indexes its corpus unless ``corpus`` or ``index_dir`` says otherwise), or
             ``"nq"`` / ``"hotpotqa"`` from the hub (FlashRAG's copies, as Search-R1 uses).
             Pair those with a Wikipedia-scale backend.
         split: for the bundled set and ``data_path`` files, ``"train"`` or ``"test"`` keeps
@@ -88,8 +93,9 @@ class SearchEnv(OutcomeEnv):
             template is on both sides and a model trained on ``train`` meets only unseen
             entities on ``test``. The default is ``all`` so that task indices, seeds and
             every figure measured before the split existed stay what they were; train on
-            ``split="train"`` and measure on ``split="test"``. For ``nq`` / ``hotpotqa`` it
-            is the hub split (default test / dev).
+            ``split="train"`` and measure on ``split="test"``. ``world-large`` splits the
+            same way, by its records' ``split`` field, and its two sides share no entity
+            at all. For ``nq`` / ``hotpotqa`` it is the hub split (default test / dev).
         backend: ``"bm25"`` (local index), ``"http"`` (a Search-R1 ``/retrieve`` server at
             ``url``) or ``"wikipedia"`` (MediaWiki API at ``url``, default en.wikipedia).
         corpus, index_dir: for ``bm25``: a JSONL corpus indexed lazily into the cache dir
@@ -158,6 +164,9 @@ class SearchEnv(OutcomeEnv):
         self.topk = topk
         self.max_searches = max_searches
         self.passage_chars = passage_chars
+        if (backend == "bm25" and dataset == world_large.NAME and data_path is None
+                and corpus is None and index_dir is None):
+            corpus = str(world_large.ensure() / world_large.CORPUS_FILE)
         raw = open_backend(backend, corpus=corpus, index_dir=index_dir, url=url,
                            timeout=timeout, max_retries=max_retries)
         self.backend = CachedBackend(raw, _open_cache(cache, backend))
@@ -286,14 +295,18 @@ def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[T
         config, default_split = HUB_SETS[dataset]
         records = data.load_hub(HUB_NAME, config, split or default_split)
         source = f"{HUB_NAME}/{config}"
-    elif data_path is not None or dataset == "bundled":
+    elif data_path is not None or dataset in ("bundled", world_large.NAME):
         if data_path is not None:
             records, source = data.load_records(data_path), data_path
-        else:
+        elif dataset == "bundled":
             records, source = data.bundled("search_qa"), "bundled search_qa"
+        else:
+            records = data.load_records(world_large.ensure() / world_large.QA_FILE)
+            source = f"{world_large.NAME} search_qa"
         records = _in_split(records, split or ALL, source)
     else:
-        raise data.DataError(f"dataset must be 'bundled', 'nq' or 'hotpotqa', got {dataset!r}")
+        raise data.DataError(f"dataset must be 'bundled', '{world_large.NAME}', 'nq' or "
+                             f"'hotpotqa', got {dataset!r}")
     data.require_fields(records, ("question",), source)
     tasks = []
     for index, record in enumerate(records):

@@ -11,7 +11,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from agent_gym.search.bm25 import BM25Index, ensure_index
+from agent_gym.search.bm25 import BM25Index, ensure_index, shared_index
 from agent_gym.search.cache import CachedBackend, ResponseCache
 from agent_gym.search.client import RetrievalClient
 from agent_gym.search.net import RetryPolicy
@@ -62,7 +62,8 @@ def open_backend(
     backoff: float = 0.5,
 ) -> SearchBackend:
     """Build a backend: `bm25` over `index_dir`, or over `corpus` (default: the bundled one)
-    indexed lazily under `cache_root()`; `http` against a `/retrieve` server at `url`;
+    indexed lazily under `cache_root()`, loaded once per process and shared by every
+    backend opened on it (`shared_index`); `http` against a `/retrieve` server at `url`;
     `wikipedia` against the MediaWiki API at `url` (default: English Wikipedia).
 
     For the remote backends `timeout` cuts each attempt (connect to last byte) and
@@ -72,9 +73,9 @@ def open_backend(
     retry = RetryPolicy(max_retries=max_retries, backoff=backoff)
     if kind == "bm25":
         if index_dir is not None:
-            return BM25Index(index_dir)
+            return shared_index(index_dir)
         source = Path(corpus) if corpus is not None else bundled_corpus()
-        return BM25Index(ensure_index(source, cache_root() / "search"))
+        return shared_index(ensure_index(source, cache_root() / "search"))
     if kind == "http":
         if url is None:
             raise ValueError("the http backend needs url='http://host:port' of a /retrieve server")

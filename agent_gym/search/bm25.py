@@ -149,6 +149,63 @@ class BM25Index:
         self._store.close()
 
 
+class SharedIndex:
+    """One holder's handle on an index loaded once per process (``shared_index``).
+
+    An index is read-only and its ``search`` thread-safe, so every env of a process that
+    searches the same index can use one copy: a server holding a thousand Search sessions
+    keeps one vocabulary and one set of mapped files (six descriptors) instead of a
+    thousand, and opens a session without loading anything. ``close`` gives the handle
+    back; the last one given back closes the index."""
+
+    def __init__(self, key: tuple[str, int, int], index: BM25Index) -> None:
+        self._key = key
+        self._index: BM25Index | None = index
+        self.name = index.name
+        self.num_docs = index.num_docs
+        self.directory = index.directory
+
+    def search(self, queries: Sequence[str], topk: int) -> list[list[Passage]]:
+        if self._index is None:  # as a closed BM25Index would, though others still use it
+            raise ValueError("search on a closed index")
+        return self._index.search(queries, topk)
+
+    def close(self) -> None:
+        with _SHARED_LOCK:
+            if self._index is None:
+                return
+            self._index = None
+            index, holders = _SHARED[self._key]
+            if holders > 1:
+                _SHARED[self._key] = (index, holders - 1)
+                return
+            del _SHARED[self._key]
+        index.close()
+
+
+# The indexes loaded in this process, with how many handles each has out.
+_SHARED: dict[tuple[str, int, int], tuple[BM25Index, int]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_index(directory: str | Path) -> SharedIndex:
+    """A handle on the index in ``directory``, loaded by the first caller in this process.
+
+    Keyed by the directory and the identity of its ``meta.json`` (inode, modification
+    time), so an index rebuilt in place (``agent-gym search index --force`` renames a new
+    directory over it) is loaded anew for the envs opened afterwards."""
+    path = Path(directory).resolve()
+    try:
+        meta = (path / _META).stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no BM25 index in {path} (missing {_META})") from None
+    key = (str(path), meta.st_ino, meta.st_mtime_ns)
+    with _SHARED_LOCK:  # loading under it: a second env waits for the first one's copy
+        index, holders = _SHARED.get(key) or (BM25Index(path), 0)
+        _SHARED[key] = (index, holders + 1)
+    return SharedIndex(key, index)
+
+
 def _write_index(corpus: Path, out: Path, sha: str) -> None:
     """Stream the corpus into the passage store, then tokenize and index the texts."""
     texts: list[str] = []
@@ -181,6 +238,19 @@ def _write_index(corpus: Path, out: Path, sha: str) -> None:
 
 
 _BUILD_LOCK = threading.Lock()
+# Corpus hashes by the file's identity: every env built on a corpus finds its index by the
+# hash, and a corpus of gigabytes takes a minute to hash, so each file is hashed once per
+# process (again if it changes: another inode, size or modification time).
+_CORPUS_SHA: dict[tuple[str, int, int, int], str] = {}
+
+
+def corpus_sha256(corpus: Path) -> str:
+    """``file_sha256(corpus)``, computed once per process for an unchanged file."""
+    stat = corpus.stat()
+    key = (str(corpus.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if key not in _CORPUS_SHA:
+        _CORPUS_SHA[key] = file_sha256(corpus)
+    return _CORPUS_SHA[key]
 
 
 def ensure_index(corpus: str | Path, root: str | Path) -> Path:
@@ -190,7 +260,7 @@ def ensure_index(corpus: str | Path, root: str | Path) -> Path:
     starts several at once) each build into a private temp dir and the first rename wins,
     so nobody ever reads a half-written index.
     """
-    sha = file_sha256(corpus)
+    sha = corpus_sha256(Path(corpus))
     target = Path(root) / f"bm25-v{FORMAT}-{sha[:16]}"
     with _BUILD_LOCK:
         if not (target / _META).is_file():

@@ -6,6 +6,10 @@ and every passage and question is rendered from them, so answers always agree wi
 text. Two-hop questions name an entity whose passage only leads to the answer's passage
 (the inventor of X -> where that person was born), so they need two searches.
 
+A world is drawn from a `Spec` (its name pools and sizes) and asked about by `Quotas`
+(questions per template). The bundled set is one small world (`BUNDLED`); the larger
+held-out set, two disjoint worlds sharing one corpus, is `agent_gym.search.world_large`.
+
 Regenerate the shipped files (the output is byte-identical for a given seed)::
 
     python -m agent_gym.search.world agent_gym/datasets
@@ -16,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = ("Generate the bundled search corpus: an original, fictional but consistent small "
@@ -48,6 +54,7 @@ _FAMILY_ROOTS = ["Ash", "Bran", "Cor", "Dun", "El", "Far", "Greav", "Hal", "Iv",
                  "Lor", "Mer", "Net", "Orr", "Pell", "Quar", "Rook", "Sal", "Thist", "Umb",
                  "Var", "Whit", "Yar", "Zel", "Bram", "Cress", "Dov", "Fitch", "Gorm"]
 _FAMILY_SUFFIXES = ["ing", "ett", "ley", "man", "ridge", "worth", "field", "ock", "ander", "ow"]
+_FOUNDER_PLACES = ["the Marsh", "the Hill", "the Ford"]
 _TRADES = ["glassmaking", "the salt trade", "shipbuilding", "wool weaving", "clockmaking",
            "paper milling", "its cider orchards", "copper mining", "herring fishing",
            "printing", "tanning", "bell founding"]
@@ -77,6 +84,14 @@ _PURPOSES = {
     "cistern": "storing rainwater through the dry months",
     "crane": "lifting cargo from the holds of river barges",
     "lens": "grinding sharper spectacles and spyglasses",
+    "lathe": "turning chair legs and spindles true",
+    "sluice": "letting a measured flow through a mill dam",
+    "beacon": "signalling to ships from a headland at night",
+    "spindle": "spinning finer thread from short wool",
+    "barometer": "foretelling storms from the weight of the air",
+    "dredge": "clearing silt from harbour channels",
+    "churn": "making butter in dairies by the hundredweight",
+    "winch": "hauling boats up a slipway",
 }
 _BOOK_ADJ = ["Silent", "Amber", "Winter", "Lesser", "Drowned", "Patient", "Hollow", "Salt",
              "Northern", "Painted", "Second", "Crooked"]
@@ -134,32 +149,90 @@ class World:
     books: dict[str, tuple[str, int]]  # title -> (author, year)
 
 
-def _unique_names(rng: random.Random, roots: list[str], suffixes: list[str], n: int) -> list[str]:
-    combos = [r + s for r in roots for s in suffixes]
-    rng.shuffle(combos)
-    return combos[:n]
+@dataclass(frozen=True)
+class Spec:
+    """The names one world may use and how big it is.
+
+    Every entity's name comes from its spec (given names, trades, landmarks, festivals and
+    months are shared words, never an entity on their own), so two worlds drawn from specs
+    with disjoint pools share no entity: the guarantee `world_large`'s split rests on. The
+    candidate lists are shuffled by the world's RNG and the first ones kept."""
+
+    provinces: Sequence[str]
+    rivers: Sequence[str]
+    sources: Sequence[str]
+    mouths: Sequence[str]
+    town_names: Sequence[str]
+    family_names: Sequence[str]
+    founder_places: Sequence[str]  # founders are "<given name> of <place>"
+    governor_names: Sequence[str]  # governors are "<given name> <governor name>"
+    inventions: Sequence[str]  # "<matter> <device>", the device a key of _PURPOSES
+    books: Sequence[str]
+    n_towns: int  # even (towns are twinned in pairs), at least two per river
+    n_people: int  # half inventors, half writers
+    born_from: int = 1620
+    born_span: int = 270  # births spread evenly over these years, plus up to two
 
 
-def build_world(seed: int = SEED) -> World:
+BUNDLED = Spec(
+    provinces=_PROVINCES, rivers=_RIVERS, sources=_SOURCES, mouths=_MOUTHS,
+    town_names=[r + s for r in _TOWN_ROOTS for s in _TOWN_SUFFIXES],
+    family_names=[r + s for r in _FAMILY_ROOTS for s in _FAMILY_SUFFIXES],
+    founder_places=_FOUNDER_PLACES, governor_names=[r + "ston" for r in _FAMILY_ROOTS],
+    inventions=[f"{m} {d}" for m in _INV_MATTER for d in _INV_DEVICE],
+    books=[f"The {a} {n}" for a in _BOOK_ADJ for n in _BOOK_NOUN],
+    n_towns=64, n_people=90,
+)
+
+
+class Quotas(NamedTuple):
+    """Questions per template, one-hop then multi-hop (the order they are asked in)."""
+
+    founded: int
+    town_river: int
+    inventor: int
+    author: int
+    capital: int
+    mouth: int
+    deathplace: int
+    festival_month: int
+    inventor_birthplace: int
+    author_born: int
+    birthplace_river: int
+    teacher_born: int
+    capital_founder: int
+    inventor_birthplace_twin: int
+
+
+BUNDLED_QUOTAS = Quotas(8, 6, 6, 4, 4, 4, 6, 4, 8, 5, 6, 5, 4, 4)
+
+
+def _first(rng: random.Random, candidates: Sequence[str], n: int) -> list[str]:
+    names = list(candidates)
+    rng.shuffle(names)
+    return names[:n]
+
+
+def build_world(seed: int = SEED, spec: Spec = BUNDLED) -> World:
     """Draw every fact of the world from one RNG, in a fixed order."""
     rng = random.Random(seed)
-    town_names = _unique_names(rng, _TOWN_ROOTS, _TOWN_SUFFIXES, 64)
-    families = _unique_names(rng, _FAMILY_ROOTS, _FAMILY_SUFFIXES, 90)
+    town_names = _first(rng, spec.town_names, spec.n_towns)
+    families = _first(rng, spec.family_names, spec.n_people)
     givens = [rng.choice(_GIVEN) for _ in families]
     names = [f"{g} {f}" for g, f in zip(givens, families, strict=True)]
-    founders = [f"{rng.choice(_GIVEN)} of {rng.choice(['the Marsh', 'the Hill', 'the Ford'])}"
+    founders = [f"{rng.choice(_GIVEN)} of {rng.choice(spec.founder_places)}"
                 for _ in town_names]
 
     rivers = {
-        r: River(r, rng.randrange(60, 900, 5), rng.choice(_SOURCES), rng.choice(_MOUTHS))
-        for r in _RIVERS
+        r: River(r, rng.randrange(60, 900, 5), rng.choice(spec.sources), rng.choice(spec.mouths))
+        for r in spec.rivers
     }
     towns: dict[str, Town] = {}
     for i, t in enumerate(town_names):
-        river = _RIVERS[i % len(_RIVERS)]
+        river = spec.rivers[i % len(spec.rivers)]
         rivers[river].towns.append(t)
         towns[t] = Town(
-            name=t, province=_PROVINCES[i % len(_PROVINCES)], river=river,
+            name=t, province=spec.provinces[i % len(spec.provinces)], river=river,
             founded=rng.randrange(880, 1600), founder=founders[i],
             population=rng.randrange(800, 90000, 10), trade=rng.choice(_TRADES),
             landmark=rng.choice(_LANDMARKS), festival=rng.choice(_FESTIVALS),
@@ -171,13 +244,13 @@ def build_world(seed: int = SEED) -> World:
         towns[a].twin, towns[b].twin = b, a
     provinces = {
         p: {"capital": next(t for t in order if towns[t].province == p),
-            "governor": rng.choice(_GIVEN) + " " + rng.choice(_FAMILY_ROOTS) + "ston"}
-        for p in _PROVINCES
+            "governor": rng.choice(_GIVEN) + " " + rng.choice(spec.governor_names)}
+        for p in spec.provinces
     }
 
     people: dict[str, Person] = {}
     for i, name in enumerate(names):
-        born = 1620 + i * 3 + rng.randrange(0, 3)
+        born = spec.born_from + i * spec.born_span // spec.n_people + rng.randrange(0, 3)
         job = _INVENTOR_JOBS[i % 6] if i % 2 == 0 else _WRITER_JOBS[i % 6]
         birthplace = rng.choice(order)
         deathplace = rng.choice([t for t in order if t != birthplace])
@@ -190,8 +263,8 @@ def build_world(seed: int = SEED) -> World:
 
     inventions: dict[str, tuple[str, int, str]] = {}
     books: dict[str, tuple[str, int]] = {}
-    free_inventions = [f"{m} {d}" for m in _INV_MATTER for d in _INV_DEVICE]
-    free_books = [f"The {a} {n}" for a in _BOOK_ADJ for n in _BOOK_NOUN]
+    free_inventions = list(spec.inventions)
+    free_books = list(spec.books)
     rng.shuffle(free_inventions)
     rng.shuffle(free_books)
     for person in people.values():
@@ -333,110 +406,137 @@ def _province_passage(rng: random.Random, name: str, w: World) -> str:
     ])
 
 
+# A question, its answer, and the keys of the passages it needs (the answer's last).
+Question = tuple[str, str | int, list[str]]
+
+
+class Corpus:
+    """Passages of one or more worlds, numbered in the order they are added, and the QA
+    records that point into them."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, str]] = []
+        self._ids: dict[str, str] = {}
+        self._titles: dict[str, str] = {}
+
+    def _add(self, key: str, title: str, text: str) -> None:
+        pid = f"p{len(self.rows):04d}"
+        self._ids[key], self._titles[key] = pid, title
+        self.rows.append({"id": pid, "contents": f'"{title}"\n{text}'})
+
+    def add_world(self, rng: random.Random, w: World) -> None:
+        """Every passage of ``w``, rendered with ``rng``'s choices of wording."""
+        for name in w.provinces:
+            self._add(f"province:{name}", name, _province_passage(rng, name, w))
+        for r in w.rivers.values():
+            self._add(f"river:{r.name}", f"{r.name} (river)", _river_passage(rng, r))
+        for t in w.towns.values():
+            overview, history = _town_passages(rng, t, w)
+            self._add(f"town:{t.name}", t.name, overview)
+            self._add(f"town-history:{t.name}", f"History of {t.name}", history)
+        for p in w.people.values():
+            early, later = _person_passages(rng, p, w)
+            self._add(f"person:{p.name}", p.name, early)
+            self._add(f"person-career:{p.name}", f"{p.name} (career)", later)
+        for name in w.inventions:
+            self._add(f"invention:{name}", f"The {name}", _invention_passage(rng, name, w))
+        for title in w.books:
+            self._add(f"book:{title}", title, _book_passage(rng, title, w))
+
+    def record(self, qid: str, split: str, question: Question) -> dict[str, object]:
+        """A QA record; `oracle_queries` (the supporting passages' titles) script the
+        oracle baseline, `supporting` lists their ids in hop order, the answer's last."""
+        text, answer, keys = question
+        return {"id": qid, "question": text, "answers": [str(answer)], "hops": len(keys),
+                "supporting": [self._ids[k] for k in keys],
+                "oracle_queries": [self._titles[k] for k in keys], "split": split}
+
+
 def build_dataset(seed: int = SEED) -> tuple[list[dict[str, str]], list[dict[str, object]]]:
-    """The corpus records ({"id", "contents"}, Search-R1 style) and the QA records."""
+    """The corpus records ({"id", "contents"}, Search-R1 style) and the QA records.
+
+    Every fourth question is held out (``test``); questions come template by template,
+    so each template has questions on both sides and a model that learns on ``train`` is
+    scored on the same procedures over entities it never trained on. (In this small world
+    the two sides do share towns and people; `world_large` keeps them apart.)"""
     w = build_world(seed)
     rng = random.Random(seed + 1)
-    corpus: list[dict[str, str]] = []
-    ids: dict[str, str] = {}
-    titles: dict[str, str] = {}
-
-    def add(key: str, title: str, text: str) -> None:
-        pid = f"p{len(corpus):04d}"
-        ids[key], titles[key] = pid, title
-        corpus.append({"id": pid, "contents": f'"{title}"\n{text}'})
-
-    for name in w.provinces:
-        add(f"province:{name}", name, _province_passage(rng, name, w))
-    for r in w.rivers.values():
-        add(f"river:{r.name}", f"{r.name} (river)", _river_passage(rng, r))
-    for t in w.towns.values():
-        overview, history = _town_passages(rng, t, w)
-        add(f"town:{t.name}", t.name, overview)
-        add(f"town-history:{t.name}", f"History of {t.name}", history)
-    for p in w.people.values():
-        early, later = _person_passages(rng, p, w)
-        add(f"person:{p.name}", p.name, early)
-        add(f"person-career:{p.name}", f"{p.name} (career)", later)
-    for name in w.inventions:
-        add(f"invention:{name}", f"The {name}", _invention_passage(rng, name, w))
-    for title in w.books:
-        add(f"book:{title}", title, _book_passage(rng, title, w))
-    return corpus, _questions(rng, w, ids, titles)
+    corpus = Corpus()
+    corpus.add_world(rng, w)
+    qa = [corpus.record(f"q{i:03d}",
+                        "test" if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train", q)
+          for i, q in enumerate(questions(rng, w, BUNDLED_QUOTAS))]
+    return corpus.rows, qa
 
 
-def _questions(
-    rng: random.Random, w: World, ids: dict[str, str], titles: dict[str, str]
-) -> list[dict[str, object]]:
-    qa: list[dict[str, object]] = []
+def questions(rng: random.Random, w: World, quotas: Quotas) -> list[Question]:
+    """``quotas`` questions per template about ``w``, each template's drawn without
+    repeats; every fact asked is one a passage of ``w`` states."""
+    asked: list[Question] = []
 
     def ask(question: str, answer: str | int, keys: list[str]) -> None:
-        """`oracle_queries` (the supporting passages' titles) script the oracle baseline.
-        `split`: every fourth question is held out (``test``); questions come template by
-        template, so each template has questions on both sides and a model that learns on
-        ``train`` is scored on the same procedures over entities it never trained on."""
-        index = len(qa)
-        qa.append({"id": f"q{index:03d}", "question": question, "answers": [str(answer)],
-                   "hops": len(keys), "supporting": [ids[k] for k in keys],
-                   "oracle_queries": [titles[k] for k in keys],
-                   "split": "test" if index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"})
+        asked.append((question, answer, keys))
 
     towns = sorted(w.towns.values(), key=lambda t: t.name)
     people = sorted(w.people.values(), key=lambda p: p.name)
     inventions = sorted(w.inventions.items())
     books = sorted(w.books.items())
-    for t in rng.sample(towns, 8):
+    for t in rng.sample(towns, quotas.founded):
         ask(f"In what year was the town of {t.name} founded?", t.founded,
             [f"town-history:{t.name}"])
-    for t in rng.sample(towns, 6):
+    for t in rng.sample(towns, quotas.town_river):
         ask(f"Which river flows through {t.name}?", t.river, [f"town:{t.name}"])
-    for name, (inventor, _, _) in rng.sample(inventions, 6):
+    for name, (inventor, _, _) in rng.sample(inventions, quotas.inventor):
         ask(f"Who invented the {name}?", inventor, [f"invention:{name}"])
-    for title, (author, _) in rng.sample(books, 4):
+    for title, (author, _) in rng.sample(books, quotas.author):
         ask(f"Who wrote {title}?", author, [f"book:{title}"])
-    for name in rng.sample(sorted(w.provinces), 4):
+    for name in rng.sample(sorted(w.provinces), quotas.capital):
         ask(f"What is the capital of {name}?", w.provinces[name]["capital"],
             [f"province:{name}"])
-    for r in rng.sample(sorted(w.rivers.values(), key=lambda r: r.name), 4):
+    for r in rng.sample(sorted(w.rivers.values(), key=lambda r: r.name), quotas.mouth):
         ask(f"Into which body of water does the river {r.name} flow?",
             r.mouth.removeprefix("the "), [f"river:{r.name}"])
-    for p in rng.sample(people, 6):
+    for p in rng.sample(people, quotas.deathplace):
         ask(f"In which town did {p.name} die?", p.deathplace, [f"person-career:{p.name}"])
-    for t in rng.sample(towns, 4):
+    for t in rng.sample(towns, quotas.festival_month):
         ask(f"In which month is the {t.festival} held in {t.name}?", t.month,
             [f"town-history:{t.name}"])
 
-    for name, (inventor, _, _) in rng.sample(inventions, 8):
+    for name, (inventor, _, _) in rng.sample(inventions, quotas.inventor_birthplace):
         ask(f"In which town was the inventor of the {name} born?",
             w.people[inventor].birthplace, [f"invention:{name}", f"person:{inventor}"])
-    for title, (author, _) in rng.sample(books, 5):
+    for title, (author, _) in rng.sample(books, quotas.author_born):
         ask(f"In what year was the author of {title} born?", w.people[author].born,
             [f"book:{title}", f"person:{author}"])
-    for p in rng.sample(people, 6):
+    for p in rng.sample(people, quotas.birthplace_river):
         ask(f"Which river flows through the town where {p.name} was born?",
             w.towns[p.birthplace].river, [f"person:{p.name}", f"town:{p.birthplace}"])
     taught = [p for p in people if p.teacher]
-    for p in rng.sample(taught, 5):
+    for p in rng.sample(taught, quotas.teacher_born):
         ask(f"In what year was the teacher of {p.name} born?", w.people[p.teacher].born,
             [f"person:{p.name}", f"person:{p.teacher}"])
-    for name in rng.sample(sorted(w.provinces), 4):
+    for name in rng.sample(sorted(w.provinces), quotas.capital_founder):
         capital = w.provinces[name]["capital"]
         ask(f"Who founded the capital of {name}?", w.towns[capital].founder,
             [f"province:{name}", f"town-history:{capital}"])
-    for name, (inventor, _, _) in rng.sample(inventions, 4):
+    for name, (inventor, _, _) in rng.sample(inventions, quotas.inventor_birthplace_twin):
         ask(f"Which town is the birthplace of the inventor of the {name} twinned with?",
             w.towns[w.people[inventor].birthplace].twin,
             [f"invention:{name}", f"person:{inventor}", f"town-history:"
              f"{w.people[inventor].birthplace}"])
-    return qa
+    return asked
+
+
+def jsonl(rows: Sequence[dict[str, str]] | Sequence[dict[str, object]]) -> bytes:
+    """The bytes of a JSONL file, one record a line (what the digests are taken over)."""
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
 
 
 def write(out_dir: Path, seed: int = SEED) -> None:
     corpus, qa = build_dataset(seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, rows in (("search_corpus", corpus), ("search_qa", qa)):
-        with open(out_dir / f"{name}.jsonl", "w", encoding="utf-8") as handle:
-            handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    (out_dir / "search_corpus.jsonl").write_bytes(jsonl(corpus))
+    (out_dir / "search_qa.jsonl").write_bytes(jsonl(qa))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -65,7 +65,7 @@ except ImportError as err:  # the server's stack is an optional extra
 import agent_gym  # noqa: F401  (importing it registers the envs)
 from agent_gym import untrusted
 from agent_gym.serve import mcp
-from agent_gym.serve.sessions import ServerConfig, Session, SessionPool
+from agent_gym.serve.sessions import ServerConfig, Session, SessionPool, prepare_process
 from agent_gym.serve.wire import (
     ACTION_SCHEMA,
     EXECUTION_ERROR,
@@ -641,6 +641,9 @@ def serve(
           f"ws://{host}:{port}/ws, HTTP /reset /step /state; Ctrl-C stops)",
           file=sys.stderr, flush=True)
 
+    shortfall = prepare_process(config.max_sessions)
+    if shortfall is not None:
+        print(f"agent-gym serve: WARNING: {shortfall}", file=sys.stderr, flush=True)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     # uvicorn's "websockets" protocol served 45% more steps/s than its newer "sansio" one in
     # benchmarks/bench_serve.py; uvicorn marks it deprecated, which is not this server's news.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import secrets
@@ -49,7 +50,45 @@ MAX_REAPED_IDS = 10_000
 # setting: every task the env holds.
 ALL_TASKS = "all"
 RESET_FIELDS = ("seed", "episode_id", "task_id", "index", "split", "state")
+# CPython collects its young generation every 700 net allocations. A server holding a
+# thousand sessions keeps hundreds of thousands of objects alive, and at any moment the
+# frames and futures of every request in flight: collected that often, those in-flight
+# objects are promoted to the old generation and soon force a full collection, a pause of
+# 200-350 ms over 1,000 Search sessions during which no session is answered (p99 step
+# latency 400 ms in benchmarks/bench_serve.py, "sessions"). Every 10,000 allocations they
+# have mostly been answered and freed: no full collection in a minute, p99 about 20 ms.
+GC_YOUNG_THRESHOLD = 10_000
+# Open files the server needs besides one socket per session (its listening socket, the
+# event loop's, its logs, an env's own files).
+SPARE_FILES = 64
 T = TypeVar("T")
+
+
+def prepare_process(max_sessions: int) -> str | None:
+    """Ready the server's process to hold ``max_sessions`` sessions; a warning to show
+    when it cannot.
+
+    Each session holds a socket, and many systems start a process with a soft limit of
+    1,024 open files, so past about a thousand sessions new connections would fail; the
+    soft limit is raised to the hard one, which the process may do itself. And the young
+    generation is collected less often (``GC_YOUNG_THRESHOLD``)."""
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    try:
+        import resource
+    except ImportError:  # not POSIX: no limit of this kind to raise
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # No hard limit (macOS): what the sessions need, as far as the system allows.
+    wanted = max(soft, max_sessions + SPARE_FILES) if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # a system that caps it lower
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if soft != resource.RLIM_INFINITY and soft < max_sessions + SPARE_FILES:
+        return (f"this process may open {soft} files, too few for --max-sessions "
+                f"{max_sessions} (one each, and {SPARE_FILES} to spare): sessions past "
+                "that fail to connect; raise the limit (ulimit -n) or the sessions' number")
+    return None
 
 
 @dataclass(frozen=True)
