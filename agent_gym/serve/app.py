@@ -391,13 +391,10 @@ def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
         session.on_reaped = hang_up
         try:
             while True:
-                message = await websocket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                raw = message.get("text")
+                raw = await receive_frame(websocket)
                 if raw is None:
-                    raw = (message.get("bytes") or b"").decode("utf-8", errors="replace")
-                if len(raw.encode("utf-8", errors="replace")) > config.max_request_bytes:
+                    return
+                if oversized(raw, config.max_request_bytes):
                     reply = mcp.rpc_error(None, mcp.INVALID_REQUEST, "the frame is larger "
                                           f"than the server's limit of "
                                           f"{config.max_request_bytes} bytes")
@@ -551,21 +548,34 @@ def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
                 await websocket.close()
 
 
+async def receive_frame(websocket: WebSocket) -> str | None:
+    """The next frame's text (a binary frame read as UTF-8), or None once the client left."""
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        return None
+    text = message.get("text")
+    if text is None:
+        return (message.get("bytes") or b"").decode("utf-8", errors="replace")
+    return text
+
+
+def oversized(text: str, limit: int) -> bool:
+    """Whether a frame is over ``limit`` bytes of UTF-8; encoded only when its length in
+    characters (1 to 4 bytes each) leaves the answer open."""
+    return len(text) > limit or (
+        4 * len(text) > limit and len(text.encode("utf-8", errors="replace")) > limit)
+
+
 async def serve_frames(
     websocket: WebSocket, pool: SessionPool, session: Session, limit: int
 ) -> None:
     """Answer one connection's frames until it sends ``close`` or goes away."""
     while True:
-        message = await websocket.receive()
-        if message["type"] == "websocket.disconnect":
-            return
-        raw = message.get("text")
+        raw = await receive_frame(websocket)
         if raw is None:
-            raw = (message.get("bytes") or b"").decode("utf-8", errors="replace")
+            return
         try:
-            if len(raw) > limit or (
-                4 * len(raw) > limit and len(raw.encode("utf-8", errors="replace")) > limit
-            ):
+            if oversized(raw, limit):
                 raise ProtocolError(REQUEST_TOO_LARGE, f"the frame is larger than the server's "
                                     f"limit of {limit} bytes")
             frame = await parsed(pool, raw)

@@ -6,8 +6,9 @@ without one). Each package's ``server/app.py`` names its env and calls these."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -40,3 +41,20 @@ def asgi_app(env_id: str) -> FastAPI:
     if not token:
         raise RuntimeError(f"{TOKEN_ENV} is not set: the server needs a bearer token")
     return create_app(ServerConfig(env_id, token=token))
+
+
+def package_server(env_id: str) -> tuple[Callable[[], None], Callable[[str], Any]]:
+    """What a package's ``server/app.py`` is made of for ``env_id``: a function that serves
+    until stopped (the command line adds ``agent-gym serve`` options such as
+    ``--env-arg ...``) and a module ``__getattr__`` that builds ``app`` when first asked for,
+    since building it needs the token."""
+
+    def main() -> None:
+        sys.exit(serve_main(env_id, sys.argv[1:]))
+
+    def module_attribute(name: str) -> Any:
+        if name == "app":
+            return asgi_app(env_id)
+        raise AttributeError(name)
+
+    return main, module_attribute
