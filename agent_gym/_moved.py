@@ -46,7 +46,7 @@ _EVAL_NAMES = {
     "agent_gym.eval.runlog": ("RunLog", "RunMismatchError", "record_key", "EPISODES_FILE",
                               "ERRORS_FILE"),
     "agent_gym.eval.summary": ("ReplyCounts", "Summary", "summarize", "format_table",
-                               "overall_summary", "read_summary"),
+                               "overall_summary"),
     "agent_gym.eval.run": ("action_protocol", "play_episode", "evaluate"),
 }
 MOVED_NAMES: dict[str, dict[str, str]] = {

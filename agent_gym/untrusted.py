@@ -47,6 +47,10 @@ def loads(text: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
         raise UntrustedJSONError(f"is not UTF-8: {err.reason} at byte {err.start}") from None
     except json.JSONDecodeError as err:
         raise UntrustedJSONError(f"is not valid JSON: {err}") from None
+    except UntrustedJSONError:
+        raise
+    except ValueError as err:  # an integer of more digits than int() converts (4,300)
+        raise UntrustedJSONError(f"holds a number this reader refuses: {err}") from None
     check_depth(value, max_depth)
     return value
 

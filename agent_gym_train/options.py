@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import field
 from typing import TYPE_CHECKING, TypeVar
 
+from agent_gym import untrusted
 from agent_gym.cli.parsing import OneLineParser
 
 if TYPE_CHECKING:
@@ -61,9 +61,9 @@ def options_parser(
 
 def _json_object(text: str) -> dict[str, object]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:  # argparse would say only "invalid _json_object"
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from err
+        value = untrusted.loads(text)
+    except untrusted.UntrustedJSONError as err:  # argparse would say only "invalid _json_object"
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} {err}") from err
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value

@@ -26,13 +26,23 @@ RUN_KEYS = ("command", "commit", "machine", "load_average_at_start", "load_avera
             "seconds")
 
 
-def _commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10)
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10)
     except OSError:
         return None
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _commit() -> str | None:
+    """The commit measured, with ``+changes`` when the tracked files differ from it: a
+    figure measured on uncommitted code must not claim to be the commit's."""
+    head = _git("rev-parse", "HEAD")
+    if not head:
+        return None
+    changed = _git("status", "--porcelain", "--untracked-files=no")
+    return f"{head}+changes" if changed else head
 
 
 def figures_in(path: str | Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from agent_gym.untrusted import UntrustedJSONError, check_depth, finite, loads
     ('{"x": NaN}', "non-finite"),
     ("[-Infinity]", "non-finite"),
     ("[1e999]", "too large to be finite"),
+    ("[" + "7" * 5000 + "]", "refuses"),  # int() converts at most 4,300 digits
     (b"\xff\xfe[\x001\x00]\x00", "not UTF-8"),  # UTF-16, which json.loads would guess
     ('{"x": ', "not valid JSON"),
 ])

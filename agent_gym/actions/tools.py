@@ -215,6 +215,10 @@ def _strict_json(text: str, invalid: str) -> Any:
         raise ToolCallError(f"{invalid} ({err})") from err
     except RecursionError as err:  # a model stuck repeating "[" nests past Python's stack
         raise ToolCallError(f"{invalid} (it is nested too deeply)") from err
+    except ToolCallError:
+        raise
+    except ValueError as err:  # a number of more digits than int() converts (4,300)
+        raise ToolCallError(f"{invalid} ({err})") from err
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

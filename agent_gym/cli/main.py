@@ -43,7 +43,6 @@ from agent_gym.eval.runlog import (
     RunMismatchError,
     read_json_file,
     read_log,
-    record_key,
 )
 from agent_gym.eval.runs import CONFIG_FILE, RunDirError, read_run
 from agent_gym.eval.summary import Summary, format_table, overall_summary
@@ -140,7 +139,7 @@ def _read_state(path: Path, episode: int | None, rollout: int = 0) -> EnvState:
         return EnvState.from_dict(read_json_file(path, MAX_LINE_BYTES))
     for note in log.notes():
         print(f"agent-gym replay: note: {note}", file=sys.stderr)
-    records = {record_key(record): record for _, record in log.records}
+    records = log.by_episode()[0]
     if episode is None:
         numbers = sorted({number for number, _ in records})
         raise UserError(f"{path} is an eval log with {len(records)} episodes; pick one with "

@@ -7,11 +7,12 @@ fail like eval's without importing the rest of the command line (and its env imp
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
+
+from agent_gym import untrusted
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -42,8 +43,8 @@ def env_arg(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
+        return key, untrusted.loads(value)
+    except untrusted.UntrustedJSONError:
         return key, value
 
 
@@ -55,9 +56,9 @@ class EnvKwargsJSON(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         try:
-            kwargs = json.loads(str(values))
-        except json.JSONDecodeError as err:
-            parser.error(f"{option_string}: not JSON ({err.msg}); prefer --env-arg KEY=VALUE")
+            kwargs = untrusted.loads(str(values))
+        except untrusted.UntrustedJSONError as err:
+            parser.error(f"{option_string}: {err}; prefer --env-arg KEY=VALUE")
         if not isinstance(kwargs, dict):
             parser.error(f"{option_string}: expected a JSON object, got {values!r}")
         print(f"{parser.prog}: note: {option_string} is read as one --env-arg KEY=VALUE per "

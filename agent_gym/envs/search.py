@@ -170,7 +170,6 @@ class SearchEnv(OutcomeEnv):
         raw = open_backend(backend, corpus=corpus, index_dir=index_dir, url=url,
                            timeout=timeout, max_retries=max_retries)
         self.backend = CachedBackend(raw, _open_cache(cache, backend))
-        # A local index with an in-memory cache: every step is computation in this process.
         self._searches = 0
 
     # ------------------------------------------------------------------ episode

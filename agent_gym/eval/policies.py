@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from agent_gym import untrusted
 from agent_gym.actions.protocols import ActionProtocol
 from agent_gym.actions.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call
 from agent_gym.seeding import derive_seed
@@ -443,9 +444,9 @@ def _tool_calls_as_text(content: str, tool_calls: list[dict[str, Any]] | None) -
 
 
 def _json_or_none(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
+    try:  # a server's or model's text
+        return untrusted.loads(text)
+    except untrusted.UntrustedJSONError:
         return None
 
 

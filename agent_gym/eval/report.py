@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agent_gym import untrusted
 from agent_gym.eval.compare import Comparison, PairedDifference
 from agent_gym.eval.runlog import record_key
 from agent_gym.eval.runs import EpisodeKey, Run
@@ -404,9 +405,9 @@ def _tool_call(body: str) -> str:
     """A JSON tool call laid out for reading: its name, then each argument as text (code
     arrives as one JSON string with its line breaks escaped). Anything else: nothing, the
     message above shows it as written."""
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
+    try:  # model text recorded in a run: as untrusted as any run file
+        call = untrusted.loads(body)
+    except untrusted.UntrustedJSONError:
         return ""
     if not isinstance(call, dict) or not isinstance(call.get("arguments"), dict):
         return ""

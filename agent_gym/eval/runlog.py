@@ -26,6 +26,7 @@ import math
 import os
 import secrets
 import socket
+import stat
 import sys
 import threading
 import time
@@ -136,9 +137,14 @@ EPISODE_SCHEMA: Schema = {
     "transcript": (lambda v: isinstance(v, list), False),
     "step_rewards": (list_of(figure), False),
 }
-# An episode line read for its final saved state (``replay --episode``, SFT on a run).
-FINAL_STATE_SCHEMA: Schema = {**EPISODE_SCHEMA,
-                              "final_state": (lambda v: isinstance(v, dict), True)}
+# An episode line read for its final saved state (``replay --episode``, SFT on a run): what
+# those readers use, and no more, so a line whose figures are damaged still gives its state.
+FINAL_STATE_SCHEMA: Schema = {
+    "episode": EPISODE_SCHEMA["episode"],
+    "rollout": EPISODE_SCHEMA["rollout"],
+    "success": EPISODE_SCHEMA["success"],
+    "final_state": (lambda v: isinstance(v, dict), True),
+}
 ERROR_SCHEMA: Schema = {
     "episode": (count(MAX_EPISODES - 1), True),
     "rollout": (count(MAX_ROLLOUTS_PER_TASK - 1), False),
@@ -181,6 +187,19 @@ class LogLines:
     records: list[tuple[int, dict[str, Any]]]
     unreadable: list[Unreadable]
 
+    def by_episode(self) -> tuple[dict[Key, dict[str, Any]], list[Key]]:
+        """The records by (episode, rollout), the first line of each kept, and the keys
+        logged again after it (an episode is logged once; a second line is never read)."""
+        first: dict[Key, dict[str, Any]] = {}
+        again: list[Key] = []
+        for _, record in self.records:
+            key = record_key(record)
+            if key in first:
+                again.append(key)
+            else:
+                first[key] = record
+        return first, again
+
     def notes(self) -> list[str]:
         """What a reader skipped, one note per line for the first few, then a count."""
         notes = [f"{self.name}: line {bad.line} {bad.reason}; skipped"
@@ -201,7 +220,7 @@ def read_log(path: Path, schema: Schema) -> LogLines:
     records: list[tuple[int, dict[str, Any]]] = []
     unreadable: list[Unreadable] = []
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             for number, (start, end, line) in enumerate(_lines(handle), start=1):
                 if line is None:
                     reason: str | None = f"is longer than {MAX_LINE_BYTES:,} bytes"
@@ -227,6 +246,22 @@ def read_log(path: Path, schema: Schema) -> LogLines:
     return LogLines(path.name, records, unreadable)
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened to read if it is a regular file (through links), else ``RunDirError``:
+    a run directory is untrusted, and a file there that is a FIFO or a link to a device
+    (``/dev/zero``) would keep every reader waiting or reading forever. The open does not
+    wait for a FIFO's writer, so it is refused at once."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RunDirError(f"{path} is not a regular file; a run's files are")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _lines(handle: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
     """``(start, end, line)`` of each line, in bounded memory: a line longer than
     ``MAX_LINE_BYTES`` comes as ``None`` (its bytes are skipped, never held)."""
@@ -246,7 +281,7 @@ def read_json_file(path: Path, limit: int) -> Any:
     """A whole JSON file of a run, at most ``limit`` bytes; ``RunDirError`` (one line)
     when it cannot be read, is larger, or is not JSON this code accepts."""
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             data = handle.read(limit + 1)
     except OSError as err:
         raise RunDirError(f"cannot read {path}: {err.strerror or err}") from err
@@ -306,9 +341,7 @@ class RunLog:
                 )
         self.episodes_path = out_dir / EPISODES_FILE
         lines = read_log(self.episodes_path, EPISODE_SCHEMA)
-        self.records: dict[Key, dict[str, Any]] = {}
-        for _, record in lines.records:
-            self.records.setdefault(record_key(record), record)
+        self.records: dict[Key, dict[str, Any]] = lines.by_episode()[0]
         self.notes = [self._quarantine(lines)] if lines.unreadable else []
         self.found = len(self.records)
         self.config = config.covering(self.records, recorded)

@@ -116,13 +116,9 @@ def read_run(path: Path) -> Run:
     if (path / QUARANTINE_FILE).is_file():
         notes.append(f"{QUARANTINE_FILE} holds lines of {EPISODES_FILE} a resume could not "
                      "read and set aside; they are not shown")
-    by_number: dict[tuple[int, int], dict[str, Any]] = {}
-    for _, record in lines.records:
-        number = record_key(record)
-        if number in by_number:
-            notes.append(f"episode {_named(number)} is logged twice; the first line is kept")
-            continue
-        by_number[number] = record
+    by_number, again = lines.by_episode()
+    notes += [f"episode {_named(number)} is logged twice; the first line is kept"
+              for number in again]
     covered = config.covering(by_number)
     if covered != config:
         beyond = sum(episode >= config.episodes or rollout >= config.rollouts_per_task

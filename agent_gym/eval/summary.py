@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +13,7 @@ from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.runlog import (
     EPISODE_SCHEMA,
     EPISODES_FILE,
-    MAX_CONFIG_BYTES,
-    SUMMARY_FILE,
-    RunDirError,
-    read_json_file,
     read_log,
-    record_key,
 )
 from agent_gym.eval.stats import (
     bootstrap_interval,
@@ -276,9 +271,7 @@ def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary
     first = runs[0][0]
     records = []
     for _, _, out_dir in runs:
-        kept: dict[tuple[int, int], dict[str, Any]] = {}
-        for _, record in read_log(out_dir / EPISODES_FILE, EPISODE_SCHEMA).records:
-            kept.setdefault(record_key(record), record)
+        kept = read_log(out_dir / EPISODES_FILE, EPISODE_SCHEMA).by_episode()[0]
         records += [kept[key] for key in sorted(kept)]
     config = EvalConfig("overall", first.policy, max(c.episodes for c, _, _ in runs),
                         rollouts_per_task=min(s.rollouts_per_task for _, s, _ in runs),
@@ -287,19 +280,3 @@ def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary
     first_error = next((s.first_error for _, s, _ in runs if s.first_error), None)
     return summarize(config, records, errors, first_error,
                      interrupted=any(s.interrupted for _, s, _ in runs))
-
-
-def read_summary(out_dir: Path) -> Summary:
-    """A run's ``summary.json`` as written by ``evaluate``, read as untrusted input
-    (bounded, finite numbers; fields this version does not know left out). Its figures are
-    not checked one by one: ``agent_gym.eval.runs.read_run(out_dir).summary()`` recomputes
-    them from the episodes, as every command that shows a run does."""
-    payload = read_json_file(out_dir / SUMMARY_FILE, MAX_CONFIG_BYTES)
-    if not isinstance(payload, dict):
-        raise RunDirError(f"{out_dir / SUMMARY_FILE} is not a summary agent-gym wrote")
-    known = {f.name for f in fields(Summary)}
-    try:
-        return Summary(**{k: v for k, v in payload.items() if k in known})
-    except TypeError as err:
-        raise RunDirError(f"{out_dir / SUMMARY_FILE} is not a summary agent-gym wrote: "
-                          f"{err}") from err

@@ -52,7 +52,7 @@ from agent_gym.sandbox.config import (
     Limits,
     SandboxError,
 )
-from agent_gym.sandbox.memory import Cgroup, SandboxMemory, Watch
+from agent_gym.sandbox.memory import Cgroup, MemoryBound, SandboxMemory, Watch
 from agent_gym.sandbox.process import (
     TIMEOUT,
     WorkerProcess,
@@ -210,7 +210,7 @@ class Launcher:
         limits: Limits | None = None,
         python: str | None = None,
         preload: Sequence[str] = (),
-        memory_bound: str = "auto",
+        memory_bound: MemoryBound = "auto",
     ) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")

@@ -37,13 +37,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Literal
+from typing import Literal, get_args
 
 from agent_gym.sandbox.config import Limits, SandboxError
 
 log = logging.getLogger(__name__)
 
-MEMORY_BOUNDS: tuple[str, ...] = ("auto", "cgroup", "watcher")
+MemoryBound = Literal["auto", "cgroup", "watcher"]  # what a caller asks for
+MEMORY_BOUNDS: tuple[MemoryBound, ...] = get_args(MemoryBound)
 Mechanism = Literal["cgroup-v1", "cgroup-v2", "watcher"]
 WATCH_INTERVAL = 0.05
 # What a sandbox's own machinery holds besides its code's memory (bwrap's two processes,
@@ -495,7 +496,7 @@ class SandboxMemory:
     ``"cgroup"`` (raise where none can be made) or ``"watcher"`` (forced: the fallback).
     """
 
-    def __init__(self, requested: str = "auto") -> None:
+    def __init__(self, requested: MemoryBound = "auto") -> None:
         if requested not in MEMORY_BOUNDS:
             raise ValueError(f"memory_bound must be one of {MEMORY_BOUNDS}, got {requested!r}")
         self._tree: _Tree | None = None

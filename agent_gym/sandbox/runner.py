@@ -23,6 +23,7 @@ from dataclasses import replace
 from agent_gym.sandbox.config import Limits, SandboxError, encode_code
 from agent_gym.sandbox.forkserver import ForkServer
 from agent_gym.sandbox.launch import Launcher
+from agent_gym.sandbox.memory import MemoryBound
 from agent_gym.sandbox.process import TIMEOUT, WorkerProcess, reaper, spawner
 from agent_gym.sandbox.result import ExecResult, Status, collect
 
@@ -289,7 +290,7 @@ def open_sandbox(
     preload: Sequence[str] = (),
     python: str | None = None,
     forkserver: bool | None = None,
-    memory_bound: str = "auto",
+    memory_bound: MemoryBound = "auto",
 ) -> StatelessSandbox | StatefulSandbox:
     """A sandbox in ``mode`` ('stateless' or 'stateful'), checked to start on this host.
 

@@ -5,6 +5,7 @@ without one). Each package's ``server/app.py`` names its env and calls these."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -52,9 +53,13 @@ def package_server(env_id: str) -> tuple[Callable[[], None], Callable[[str], Any
     def main() -> None:
         sys.exit(serve_main(env_id, sys.argv[1:]))
 
+    @functools.cache
+    def app() -> FastAPI:  # one app, one session pool, however often it is asked for
+        return asgi_app(env_id)
+
     def module_attribute(name: str) -> Any:
         if name == "app":
-            return asgi_app(env_id)
+            return app()
         raise AttributeError(name)
 
     return main, module_attribute

@@ -66,6 +66,11 @@ def test_no_call_is_none_and_a_call_without_arguments_is_fine() -> None:
         ("<function=search><parameter=topk>many</parameter></function>", "must be JSON"),
         ("<function=search>stray<parameter=query>a</parameter></function>", "unexpected text"),
         ("</tool_call>{}<tool_call>", "comes before"),
+        # More digits than int() converts: refused as the other malformed calls, never raised.
+        ('<tool_call>{"name": "search", "arguments": {"query": ' + "7" * 5000 + "}}</tool_call>",
+         "not valid JSON"),
+        ("<function=search><parameter=topk>" + "7" * 5000 + "</parameter></function>",
+         "must be JSON"),
     ],
 )
 def test_refusals_say_why(text: str, reason: str) -> None:

@@ -364,3 +364,16 @@ def test_env_kwargs_json_is_read_as_env_args_with_a_note(
         "agent-gym eval: error: --env-kwargs: expected a JSON object, got '[1]' "
         "(see `agent-gym eval --help`)"]
     assert not (tmp_path / "bad").exists()
+    # Values no JSON reader should take: each is one line, never a traceback.
+    for option, value in (("--env-arg", "max_turns=" + "[" * 100_000),
+                          ("--env-arg", "max_turns=" + "7" * 5000),
+                          ("--env-arg", "reward_correct=NaN"),
+                          ("--env-kwargs", '{"max_turns": ' + "7" * 5000 + "}")):
+        code = 2
+        try:
+            code = main(["eval", GSM8K, option, value, "--out", str(tmp_path / "bad")])
+        except SystemExit as exit_:
+            code = int(str(exit_.code))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("agent-gym eval: error:"), err
+    assert not (tmp_path / "bad").exists()

@@ -63,3 +63,20 @@ def test_replay_refuses_a_hostile_state_in_one_line(
         path = tmp_path / "episodes.jsonl"
         path.write_text('{"episode": 0, "final_state": ' + "[" * 50_000 + "]" * 50_000 + "}\n")
     _replay_error(path, capsys)
+
+
+def test_replay_takes_an_episodes_state_from_a_line_whose_figures_are_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.helpers.eval_runs import make_run
+
+    run = tmp_path / "run"
+    make_run(run, episodes=2)
+    log = run / "episodes.jsonl"
+    first, second = log.read_text().splitlines()
+    damaged = json.dumps({**json.loads(first), "latency_s": "slow", "completion_tokens": -1})
+    log.write_text(f"{damaged}\n{second}\nnot json\n")
+    assert main(["replay", str(log), "--episode", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["turn"] >= 1
+    assert "line 3 is not valid JSON" in err and err.count("\n") == 1

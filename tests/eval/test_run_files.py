@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,25 @@ def test_the_progress_bar_counts_saved_episodes_and_shows_failed_ones_beside(
     assert (summary.episodes, summary.errors) == (6, 3)
     bar = capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
     assert "6/9" in bar and "errors=3" in bar, bar
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_run_file_that_is_not_a_regular_file_is_refused_at_once(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO (no writer ever comes) or a link to /dev/zero (no end) in a crafted run would
+    keep every reader waiting: each is refused in one line before a byte is read."""
+    run = tmp_path / "run"
+    make_run(run, episodes=2)
+    log = run / "episodes.jsonl"
+    log.unlink()
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        log.symlink_to("/dev/zero")
+    with pytest.raises(runlog.RunDirError, match="not a regular file"):
+        read_run(run)
+    (run / "config.json").unlink()
+    (run / "config.json").symlink_to("/dev/zero")
+    with pytest.raises(runlog.RunDirError, match="not a regular file"):
+        runlog.read_config(run / "config.json")
