@@ -15,7 +15,10 @@ limit over as an answer. So ``trl_reward(tokenizer)`` builds the reward function
 sampled tokens instead: it cuts each completion into the assistant's turns and plays every
 turn the model finished, verbatim, through the episode restored to the row's starting point,
 where the env's own strict parser judges it; a turn cut at the length limit is never shown
-to the env, as in eval, so the episode keeps what it earned before::
+to the env, as in eval, so the episode keeps what it earned before. The replay runs each
+tool call a second time (a sandboxed cell, a search): it costs one more env step per call,
+and an env whose tools are not deterministic (a live web search) may score a turn on an
+observation the model did not see; the bundled envs' tools are deterministic::
 
     Env = trl_environment("agent_gym/Search-v0", max_turns=5)
     trainer = GRPOTrainer(model=..., processing_class=tokenizer,
