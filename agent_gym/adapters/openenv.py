@@ -13,19 +13,22 @@ own ``create_app`` also serves::
     app = create_app(factory, AgentGymAction, AgentGymObservation, env_name="Search-v0",
                      max_concurrent_envs=16)
 
-It behaves as ``agent-gym serve`` does, with the same code: the observation is the
-server's (``wire.observation_payload``: text, Gymnasium info, terminated, truncated), so
-``info["privileged"]`` never reaches a caller that shows observations to a policy, and a
-critic in the same process asks for it with ``privileged()``. ``reset`` takes what the
-server's does (``task_id``, ``index``, ``split``, or a saved ``state`` to continue
-mid-episode, refused unless it was saved from an env with this one's settings), and the
-task-listing methods OpenEnv's server turns into its task API are here too.
+It behaves as ``agent-gym serve`` does, with the same code (``serve.sessions.Episode`` and
+``TaskList``): the observation is the server's (``wire.observation_payload``: text,
+Gymnasium info, terminated, truncated), so ``info["privileged"]`` never reaches a caller
+that shows observations to a policy, and a critic in the same process asks for it with
+``privileged()``. ``reset`` takes what the server's does (``task_id``, ``index``,
+``split``, or a saved ``state`` to continue mid-episode, refused unless it was saved from
+an env with this one's settings), ``step`` checks an action as the server does, and the
+task-listing methods OpenEnv's server turns into its task API are here too. Whatever the
+server refuses, this refuses in the same words.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gymnasium
@@ -35,8 +38,8 @@ from pydantic import Field
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
 from agent_gym.env.base import TextEnv, _json_kwargs
-from agent_gym.serve.sessions import reset_env, saved_state, served_split
-from agent_gym.serve.wire import PRIVILEGED, ProtocolError, observation_payload, server_version
+from agent_gym.serve.sessions import Episode, TaskIndexError, TaskList
+from agent_gym.serve.wire import ProtocolError, server_version
 
 
 class AgentGymAction(Action):
@@ -67,7 +70,8 @@ class AgentGymState(State):
 class AgentGymEnvironment(Environment[AgentGymAction, AgentGymObservation, AgentGymState]):
     """One agent_gym env (``gymnasium.make(env_id, **env_kwargs)``) behind OpenEnv's
     ``Environment`` interface. Each instance builds its own env, so sessions may run
-    concurrently; a refused reset or step raises ``ValueError`` with the server's words."""
+    concurrently. What the server refuses raises ``ValueError`` with the server's words,
+    a task index out of range ``IndexError`` (``refused``)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
@@ -79,11 +83,7 @@ class AgentGymEnvironment(Environment[AgentGymAction, AgentGymObservation, Agent
             raise ValueError(f"{env_id} is not an agent_gym env")
         self.env_id = env_id
         self.env = env
-        self._own_kwargs = _json_kwargs(env_id, env.unwrapped._env_kwargs)
-        self._episode_id: str | None = None
-        self._step_count = 0
-        # The episode's privileged info, for ``privileged()``; None before any reset.
-        self._privileged: dict[str, Any] | None = None
+        self.episode = Episode(env, env_id, _json_kwargs(env_id, env.unwrapped._env_kwargs))
 
     @classmethod
     def factory(cls, env_id: str, **env_kwargs: Any) -> Callable[[], AgentGymEnvironment]:
@@ -97,42 +97,26 @@ class AgentGymEnvironment(Environment[AgentGymAction, AgentGymObservation, Agent
         """Start a task (``task_id``, ``index`` with an optional ``split``, or at random)
         or continue a saved ``state``."""
         given = {"seed": seed, "episode_id": episode_id, **kwargs}
-        data = {key: value for key, value in given.items() if value is not None}
-        try:
-            observation, info, episode_id = reset_env(self.env, data, self.env_id,
-                                                      self._own_kwargs)
-        except ProtocolError as exc:
-            raise ValueError(str(exc)) from exc
-        self._episode_id = episode_id
-        self._step_count = int(info.get("turn", 0))
-        self._privileged = dict(info.get(PRIVILEGED) or {})
-        return self._observation(observation_payload(
-            observation, info, reward=None, terminated=False, truncated=False))
+        with refused():
+            return self._observation(self.episode.reset(
+                {key: value for key, value in given.items() if value is not None}))
 
     def step(self, action: AgentGymAction, timeout_s: float | None = None,
              **kwargs: Any) -> AgentGymObservation:
-        if self._privileged is None:
-            raise ValueError("no episode yet: reset first")
-        text = action.text if isinstance(action, AgentGymAction) else \
-            AgentGymAction.model_validate(action).text
-        observation, reward, terminated, truncated, info = self.env.step(text)
-        self._step_count += 1
-        return self._observation(observation_payload(
-            observation, info, reward=reward, terminated=terminated, truncated=truncated))
+        """Step with an ``AgentGymAction`` (or the server's action object, a mapping)."""
+        fields = action.model_dump() if isinstance(action, Action) else action
+        with refused():
+            return self._observation(self.episode.step(fields))
 
     @property
     def state(self) -> AgentGymState:
-        return AgentGymState(episode_id=self._episode_id, step_count=self._step_count,
-                             env_state=saved_state(self.env),
-                             num_tasks=self.env.unwrapped.num_tasks,
-                             max_turns=self.env.unwrapped.max_turns)
+        return AgentGymState(**self.episode.state())
 
     def privileged(self) -> dict[str, Any]:
         """The episode's privileged info (answers, oracle actions, walkthroughs), for a
         critic or an oracle in this process: never part of an observation."""
-        if self._privileged is None:
-            raise ValueError("no episode yet: reset first")
-        return dict(self._privileged)
+        with refused():
+            return self.episode.privileged_info()
 
     def get_metadata(self) -> EnvironmentMetadata:
         from agent_gym.serve.app import env_description
@@ -140,34 +124,30 @@ class AgentGymEnvironment(Environment[AgentGymAction, AgentGymObservation, Agent
         return EnvironmentMetadata(name=self.env_id, description=env_description(self.env_id),
                                    version=server_version(), author="agent-gym")
 
-    # OpenEnv's task API (``TaskProvider``): the env's one split, tasks as {"id", "index"}
-    # (never a task's payload, which holds its answer).
+    # OpenEnv's task API (``TaskProvider``), answered by the server's ``TaskList``.
     def list_splits(self) -> list[str]:
-        return [served_split(self.env)]
+        return [self._tasks.split]
 
     def list_tasks(self, split: str) -> list[dict[str, Any]]:
         return self.get_task_range(split)
 
     def num_tasks(self, split: str) -> int:
-        return len(self._tasks(split))
+        with refused():
+            return len(self._tasks.ids(split))
 
     def get_task(self, split: str, index: int) -> dict[str, Any]:
-        tasks = self._tasks(split)
-        if not 0 <= index < len(tasks):
-            raise IndexError(f"task index must be in [0, {len(tasks)}), got {index}")
-        return {"id": tasks[index].task_id, "index": index}
+        with refused():
+            return self._tasks.task(split, index)
 
     def get_task_range(self, split: str, start: int | None = None,
                        stop: int | None = None) -> list[dict[str, Any]]:
-        tasks = self._tasks(split)
-        return [{"id": tasks[i].task_id, "index": i}
-                for i in range(len(tasks))[slice(start, stop)]]
+        with refused():
+            return self._tasks.tasks(split, start, stop)
 
-    def _tasks(self, split: str) -> list[Any]:
-        if split != served_split(self.env):
-            raise ValueError(f"split {split!r} is not served here: this env's tasks are "
-                             f"split {served_split(self.env)!r}")
-        return self.env.unwrapped.tasks
+    @functools.cached_property
+    def _tasks(self) -> TaskList:
+        """Read on the first task-API call: an env built to play episodes never needs it."""
+        return TaskList.of(self.env)
 
     def close(self) -> None:
         self.env.close()
@@ -176,3 +156,17 @@ class AgentGymEnvironment(Environment[AgentGymAction, AgentGymObservation, Agent
     def _observation(payload: dict[str, Any]) -> AgentGymObservation:
         return AgentGymObservation(**payload["observation"], reward=payload["reward"],
                                    done=payload["done"])
+
+
+@contextlib.contextmanager
+def refused() -> Iterator[None]:
+    """The server's refusals (``ProtocolError``s, which its transports turn into error
+    replies) as the exceptions OpenEnv's ``Environment`` callers expect, in the same words:
+    ``IndexError`` for a task index out of range, which OpenEnv's server answers with 400,
+    ``ValueError`` for the rest."""
+    try:
+        yield
+    except TaskIndexError as exc:
+        raise IndexError(str(exc)) from exc
+    except ProtocolError as exc:
+        raise ValueError(str(exc)) from exc

@@ -65,7 +65,13 @@ except ImportError as err:  # the server's stack is an optional extra
 import agent_gym  # noqa: F401  (importing it registers the envs)
 from agent_gym import untrusted
 from agent_gym.serve import mcp
-from agent_gym.serve.sessions import ServerConfig, Session, SessionPool, prepare_process
+from agent_gym.serve.sessions import (
+    ServerConfig,
+    Session,
+    SessionPool,
+    TaskList,
+    prepare_process,
+)
 from agent_gym.serve.wire import (
     ACTION_SCHEMA,
     EXECUTION_ERROR,
@@ -372,42 +378,31 @@ def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
 
     @app.websocket("/mcp")
     async def mcp_websocket(websocket: WebSocket) -> None:
-        await websocket.accept()
-        try:
-            session = await pool.open()
-        except ProtocolError as exc:
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
-                await websocket.send_text(dumps(mcp.rpc_error(
-                    None, mcp.SERVER_ERROR, str(exc), {"code": exc.code, **exc.extra})))
-                await websocket.close()
+        def refusal(error: ProtocolError) -> str:
+            return dumps(mcp.rpc_error(None, mcp.SERVER_ERROR, str(error),
+                                       {"code": error.code, **error.extra}))
+
+        async def answer(session: Session) -> None:
+            await serve_rpc_frames(websocket, pool, session, config.max_request_bytes)
+
+        await hold_session(websocket, pool, None, refusal, answer)
+
+
+async def serve_rpc_frames(
+    websocket: WebSocket, pool: SessionPool, session: Session, limit: int
+) -> None:
+    """Answer one ``/mcp`` connection's JSON-RPC frames until it goes away."""
+    while True:
+        raw = await receive_frame(websocket)
+        if raw is None:
             return
-
-        async def hang_up() -> None:
-            why = config.idle_closed()
-            await websocket.send_text(dumps(mcp.rpc_error(
-                None, mcp.SERVER_ERROR, why, {"code": SESSION_ERROR})))
-            await websocket.close(code=1000, reason=why)
-
-        session.on_reaped = hang_up
-        try:
-            while True:
-                raw = await receive_frame(websocket)
-                if raw is None:
-                    return
-                if oversized(raw, config.max_request_bytes):
-                    reply = mcp.rpc_error(None, mcp.INVALID_REQUEST, "the frame is larger "
-                                          f"than the server's limit of "
-                                          f"{config.max_request_bytes} bytes")
-                else:
-                    reply = await mcp_answer(pool, raw, session)
-                if reply is not None:
-                    await websocket.send_text(dumps(reply))
-        except WebSocketDisconnect:
-            pass
-        finally:
-            await pool.close(session)
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
-                await websocket.close()
+        if oversized(raw, limit):
+            reply = mcp.rpc_error(None, mcp.INVALID_REQUEST, f"the frame is larger than the "
+                                  f"server's limit of {limit} bytes")
+        else:
+            reply = await mcp_answer(pool, raw, session)
+        if reply is not None:
+            await websocket.send_text(dumps(reply))
 
 
 async def mcp_answer(pool: SessionPool, text: str | bytes, session: Session | None
@@ -428,27 +423,21 @@ def add_task_routes(app: FastAPI, pool: SessionPool) -> None:
     named by its id's last part (``Search-v0``), as a URL path segment cannot hold '/'."""
     name = task_env_name(pool.config.env_id)
 
-    async def tasks_of(env_name: str, request: Request | None) -> tuple[Any, list[str], Any]:
-        """The served split, its task ids and the request body, after checking both."""
+    async def task_request(env_name: str, request: Request | None
+                           ) -> tuple[TaskList, dict[str, Any]]:
+        """The served tasks (``TaskList`` checks the split and bounds a request names) and
+        the request's body, after checking the env's name and that the body is an object."""
         if env_name.lower() != name.lower():
             raise ProtocolError(VALIDATION_ERROR, f"unknown environment {env_name!r}; this "
                                 f"server serves {name!r}", status=404)
-        catalogue = await pool.catalogue()
-        body: dict[str, Any] = {}
-        if request is not None:
-            payload = await parsed(pool, await read_body(request, pool.config.max_request_bytes)
-                                   or b"{}")
-            if not isinstance(payload, dict):
-                raise ProtocolError(VALIDATION_ERROR, "the request body must be a JSON object")
-            body = payload
-            if body.get("split") != catalogue.split:
-                raise ProtocolError(VALIDATION_ERROR, f"split {body.get('split')!r} is not "
-                                    f"served here; this server's split is "
-                                    f"{catalogue.split!r}")
-        return catalogue.split, list(catalogue.task_ids), body
-
-    def spec(task_ids: list[str], index: int) -> dict[str, Any]:
-        return {"id": task_ids[index], "index": index}
+        tasks = (await pool.catalogue()).tasks
+        if request is None:
+            return tasks, {}
+        body = await parsed(pool, await read_body(request, pool.config.max_request_bytes)
+                            or b"{}")
+        if not isinstance(body, dict):
+            raise ProtocolError(VALIDATION_ERROR, "the request body must be a JSON object")
+        return tasks, body
 
     async def answered(handler: Callable[[], Awaitable[Any]]) -> JSONText:
         try:
@@ -463,48 +452,39 @@ def add_task_routes(app: FastAPI, pool: SessionPool) -> None:
     @app.get("/{env_name}/splits", tags=["Task API"])
     async def list_splits(env_name: str) -> JSONText:
         async def handle() -> Any:
-            split, _, _ = await tasks_of(env_name, None)
-            kind = split if split in ("train", "validation", "test") else "validation"
-            return [{"name": split, "type": kind}]
+            tasks, _ = await task_request(env_name, None)
+            kind = tasks.split if tasks.split in ("train", "validation", "test") else \
+                "validation"
+            return [{"name": tasks.split, "type": kind}]
         return await answered(handle)
 
     @app.post("/{env_name}/tasks", tags=["Task API"])
     async def list_tasks(env_name: str, request: Request) -> JSONText:
         async def handle() -> Any:
-            _, ids, _ = await tasks_of(env_name, request)
-            return {"tasks": [spec(ids, i) for i in range(len(ids))], "env_name": name}
+            tasks, body = await task_request(env_name, request)
+            return {"tasks": tasks.tasks(body.get("split")), "env_name": name}
         return await answered(handle)
 
     @app.post("/{env_name}/num_tasks", tags=["Task API"])
     async def num_tasks(env_name: str, request: Request) -> JSONText:
         async def handle() -> Any:
-            _, ids, _ = await tasks_of(env_name, request)
-            return {"num_tasks": len(ids)}
+            tasks, body = await task_request(env_name, request)
+            return {"num_tasks": len(tasks.ids(body.get("split")))}
         return await answered(handle)
 
     @app.post("/{env_name}/task", tags=["Task API"])
     async def get_task(env_name: str, request: Request) -> JSONText:
         async def handle() -> Any:
-            _, ids, body = await tasks_of(env_name, request)
-            index = body.get("index")
-            if isinstance(index, bool) or not isinstance(index, int) or \
-                    not 0 <= index < len(ids):
-                raise ProtocolError(VALIDATION_ERROR, f"index must be a whole number in "
-                                    f"[0, {len(ids)}), got {index!r}")
-            return {"task": spec(ids, index)}
+            tasks, body = await task_request(env_name, request)
+            return {"task": tasks.task(body.get("split"), body.get("index"))}
         return await answered(handle)
 
     @app.post("/{env_name}/task_range", tags=["Task API"])
     async def get_task_range(env_name: str, request: Request) -> JSONText:
         async def handle() -> Any:
-            _, ids, body = await tasks_of(env_name, request)
-            bounds = [body.get("start"), body.get("stop")]
-            if any(b is not None and (isinstance(b, bool) or not isinstance(b, int))
-                   for b in bounds):
-                raise ProtocolError(VALIDATION_ERROR, "start and stop must be whole numbers "
-                                    "or null")
-            chosen = range(len(ids))[slice(*bounds)]
-            return {"tasks": [spec(ids, i) for i in chosen]}
+            tasks, body = await task_request(env_name, request)
+            return {"tasks": tasks.tasks(body.get("split"), body.get("start"),
+                                         body.get("stop"))}
         return await answered(handle)
 
 
@@ -520,32 +500,48 @@ def add_websocket_route(app: FastAPI, pool: SessionPool) -> None:
 
     @app.websocket("/ws")
     async def websocket_session(websocket: WebSocket) -> None:
-        await websocket.accept()
-        try:
-            # ``?session_id=``: attach to a session opened over HTTP (OpenEnv's MCP client).
-            session = await pool.open_or_attach(websocket.query_params.get("session_id"))
-        except ProtocolError as exc:
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
-                await send_error(websocket, exc)
-                await websocket.close()
-            return
-
-        async def hang_up() -> None:
-            # Said twice: in an error frame for a client that reads, and as the close
-            # reason, which is what a client that next sends (OpenEnv's) reports.
-            why = config.idle_closed()
-            await send_error(websocket, ProtocolError(SESSION_ERROR, why))
-            await websocket.close(code=1000, reason=why)
-
-        session.on_reaped = hang_up
-        try:
+        async def answer(session: Session) -> None:
             await serve_frames(websocket, pool, session, config.max_request_bytes)
-        except WebSocketDisconnect:
-            pass
-        finally:
-            await pool.release(session)
-            with contextlib.suppress(RuntimeError, WebSocketDisconnect):
-                await websocket.close()
+
+        # ``?session_id=``: attach to a session opened over HTTP (OpenEnv's MCP client).
+        await hold_session(websocket, pool, websocket.query_params.get("session_id"),
+                           error_frame, answer)
+
+
+async def hold_session(
+    websocket: WebSocket, pool: SessionPool, session_id: str | None,
+    refusal: Callable[[ProtocolError], str], answer: Callable[[Session], Awaitable[None]],
+) -> None:
+    """A WebSocket's life with its session, the same for ``/ws`` and ``/mcp``: accept it,
+    open a session (or attach to ``session_id``), ``answer`` its frames until it leaves,
+    then release the session and close. A refused session, and the reaper closing an idle
+    one, are told to the client as ``refusal`` words a ``ProtocolError`` in the socket's
+    protocol."""
+    await websocket.accept()
+    try:
+        session = await pool.open_or_attach(session_id)
+    except ProtocolError as exc:
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+            await websocket.send_text(refusal(exc))
+            await websocket.close()
+        return
+
+    async def hang_up() -> None:
+        # Said twice: in a frame for a client that reads, and as the close reason, which
+        # is what a client that next sends (OpenEnv's) reports.
+        why = pool.config.idle_closed()
+        await websocket.send_text(refusal(ProtocolError(SESSION_ERROR, why)))
+        await websocket.close(code=1000, reason=why)
+
+    session.on_reaped = hang_up
+    try:
+        await answer(session)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        await pool.release(session, attached=session_id is not None)
+        with contextlib.suppress(RuntimeError, WebSocketDisconnect):
+            await websocket.close()
 
 
 async def receive_frame(websocket: WebSocket) -> str | None:

@@ -1,10 +1,14 @@
 """The session table of ``agent-gym serve``: one env per client session, at most
 ``max_sessions`` of them, idle ones reaped; a session's reset, step and state calls.
 
+An env's episode calls (``Episode``) and its task list (``TaskList``) are written once, for
+the server and the in-process OpenEnv ``Environment`` (``agent_gym.adapters.openenv``)
+alike: both check a client's data the same way and word refusals the same way.
+
 Trust: every env is built from the server's own ``env_id`` and ``--env-arg`` settings; a
 client's state is accepted only if it was saved from an env with those settings
-(``reset_env``, which the in-process OpenEnv ``Environment`` shares). An episode's
-privileged info stays here (``Session.privileged``) for a critic to ask for.
+(``Episode.reset``). An episode's privileged info stays here (``Episode.privileged``) for a
+critic to ask for.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -111,8 +116,9 @@ class ServerConfig:
             raise ValueError(f"max_sessions must be at least 1, got {self.max_sessions}")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
-        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
-            raise ValueError("idle_timeout_s must be positive (or None for no reaping)")
+        if self.idle_timeout_s is not None and not 0 < self.idle_timeout_s < math.inf:
+            raise ValueError("idle_timeout_s must be a positive finite number of seconds (or "
+                             "None for no reaping)")
         if self.critic_token is not None and self.critic_token == self.token:
             raise ValueError("the critic token (--critic-token-env) must differ from the "
                              "policy's (--token-env): a policy holding it could ask for the "
@@ -125,18 +131,14 @@ class ServerConfig:
 
 @dataclass
 class Session:
-    """One client's env. Its lock keeps that env's calls in order (HTTP requests for one
-    session may arrive concurrently); different sessions step in parallel threads."""
+    """One client's env and its episode. Its lock keeps that env's calls in order (HTTP
+    requests for one session may arrive concurrently); different sessions step in parallel
+    threads."""
 
     session_id: str
-    env: gymnasium.Env
+    episode: Episode
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     last_active: float = field(default_factory=time.monotonic)
-    episode_id: str | None = None
-    step_count: int = 0
-    # The current episode's ``info["privileged"]``, kept from its reset and given only to
-    # a critic; None until a reset succeeds, so also whether there is an episode to step.
-    privileged: dict[str, Any] | None = None
     closed: bool = False
     # Whether a WebSocket that did not open this session is attached (``open_or_attach``):
     # OpenEnv's MCP client opens a session over HTTP, then resets it over ``/ws``.
@@ -144,14 +146,17 @@ class Session:
     # A WebSocket session's way to tell its client, when the reaper closes it, and hang up.
     on_reaped: Callable[[], Awaitable[None]] | None = None
 
+    @property
+    def env(self) -> gymnasium.Env:
+        return self.episode.env
+
 
 @dataclass(frozen=True)
 class Catalogue:
-    """What every session's env offers, the same for all since they are built alike: the
-    split its tasks come from, their ids in order, and the tools its episodes offer."""
+    """What every session's env offers, the same for all since they are built alike: its
+    tasks and the tools its episodes offer."""
 
-    split: str
-    task_ids: tuple[str, ...]
+    tasks: TaskList
     tools: tuple[dict[str, Any], ...]
 
 
@@ -170,10 +175,11 @@ class SessionPool:
         # bounded, oldest forgotten first.
         self.reaped: OrderedDict[str, None] = OrderedDict()
         self._reserved = 0
-        # One thread per possible session: a slow env (a sandboxed cell, an ALFWorld
-        # planner) must not hold up the others.
+        # One thread per possible session, so a slow env (a sandboxed cell, an ALFWorld
+        # planner) holds up no other session whatever the others do; threads are made only
+        # when calls overlap (49 of them served 1,000 paced sessions in bench_serve).
         self.executor = ThreadPoolExecutor(
-            max_workers=min(config.max_sessions, 256), thread_name_prefix="agent-gym-env"
+            max_workers=config.max_sessions, thread_name_prefix="agent-gym-env"
         )
         self._own_kwargs: dict[str, Any] | None = None
         self._catalogue: Catalogue | None = None
@@ -213,7 +219,9 @@ class SessionPool:
                                 status=500, factory_name=self.config.env_id)
         if self._own_kwargs is None:
             self._own_kwargs = _json_kwargs(self.config.env_id, env.unwrapped._env_kwargs)
-        session = Session(secrets.token_hex(16), env)
+        episode = Episode(env, self.config.env_id, self._own_kwargs,
+                          idle_timeout_s=self.config.idle_timeout_s)
+        session = Session(secrets.token_hex(16), episode)
         self.sessions[session.session_id] = session
         return session
 
@@ -230,18 +238,19 @@ class SessionPool:
         session.last_active = time.monotonic()
         return session
 
-    async def release(self, session: Session) -> None:
-        """The end of a WebSocket: an attached session stays open for whoever opened it
-        (closed by them, or by the reaper); one the WebSocket opened is closed."""
-        if session.attached and session.session_id in self.sessions:
-            session.attached = False
-            session.on_reaped = None
-            session.last_active = time.monotonic()
+    async def release(self, session: Session, attached: bool) -> None:
+        """The end of a WebSocket: a session it ``attached`` to stays open for whoever
+        opened it (closed by them, or by the reaper); one it opened is closed, even while
+        another WebSocket is attached to it (asked by its id)."""
+        if not attached:
+            await self.close(session)
             return
-        await self.close(session)
+        session.attached = False
+        session.on_reaped = None
+        session.last_active = time.monotonic()
 
     async def catalogue(self) -> Catalogue:
-        """The env's split, task ids and tools, learnt once from an env built and reset
+        """The env's tasks and tools, learnt once from an env built and reset
         in a worker thread (a session's own env may be mid-episode)."""
         async with self._catalogue_lock:
             if self._catalogue is None:
@@ -298,93 +307,119 @@ class SessionPool:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ----------------------------------------------------------------- episode calls
+    # ``Episode``'s calls, in a worker thread, under the session's lock, on an open session.
     async def reset(self, session: Session, data: Mapping[str, Any]) -> dict[str, Any]:
         async with session.lock:
             self._check_open(session)
-            observation, info, episode_id = await self.run(self._reset_env, session.env, data)
-            session.episode_id = episode_id
-            session.step_count = int(info.get("turn", 0))
-            session.privileged = dict(info.get(PRIVILEGED) or {})
+            payload = await self.run(session.episode.reset, data)
             session.last_active = time.monotonic()
-        return observation_payload(observation, info, reward=None, terminated=False,
-                                   truncated=False)
+        return payload
 
     async def step(self, session: Session, action: Any) -> dict[str, Any]:
-        text = action_text(action)
         async with session.lock:
             self._check_open(session)
-            self._check_episode(session)
-            try:
-                outcome = await self.run(session.env.step, text)
-            except RuntimeError as exc:  # stepping after the end
-                raise ProtocolError(EXECUTION_ERROR, str(exc), status=409) from exc
-            observation, reward, terminated, truncated, info = outcome
-            session.step_count += 1
+            payload = await self.run(session.episode.step, action)
             session.last_active = time.monotonic()
-        return observation_payload(observation, info, reward=reward, terminated=terminated,
-                                   truncated=truncated)
+        return payload
 
     async def state(self, session: Session) -> dict[str, Any]:
         async with session.lock:
             self._check_open(session)
             session.last_active = time.monotonic()
-            env_state = await self.run(saved_state, session.env)
-        return {
-            "episode_id": session.episode_id,
-            "step_count": session.step_count,
-            "env_state": env_state,
-            # What a client needs to plan episodes (eval's task order, a trainer's turns).
-            "num_tasks": session.env.unwrapped.num_tasks,
-            "max_turns": session.env.unwrapped.max_turns,
-        }
+            return await self.run(session.episode.state)
 
     async def privileged(self, session: Session) -> dict[str, Any]:
         """The current episode's privileged info, for a critic (the caller checked its
-        token)."""
+        token); a copy of what the episode holds, so on the event loop."""
         async with session.lock:
             self._check_open(session)
-            self._check_episode(session)
+            info = session.episode.privileged_info()
             session.last_active = time.monotonic()
-            return {PRIVILEGED: session.privileged}
+        return {PRIVILEGED: info}
 
     def _check_open(self, session: Session) -> None:
         if session.closed:  # while this request waited for its lock
             raise self._gone(session.session_id)
 
-    def _check_episode(self, session: Session) -> None:
-        """Refuse a call that needs an episode before any reset: a client's slip (or one
-        whose session was reaped and that reconnected to a fresh one), answered, not an
-        env error logged with its traceback."""
-        if session.privileged is not None:
-            return
+
+@dataclass
+class Episode:
+    """An env's current episode and the calls on it, for every host of an env: the
+    server's pool runs them in worker threads, the in-process OpenEnv ``Environment``
+    directly, so a client's reset data and actions are checked alike and refused in the
+    same words (``ProtocolError``s) wherever the env runs.
+
+    ``own_kwargs`` are the host's settings of the env (a state saved from an env with others
+    is refused); ``idle_timeout_s`` the server's, named when a step finds no episode,
+    since a reaped client that reconnects finds itself on a fresh session."""
+
+    env: gymnasium.Env
+    env_id: str
+    own_kwargs: Mapping[str, Any]
+    idle_timeout_s: float | None = None
+    episode_id: str | None = None
+    step_count: int = 0
+    # The current episode's ``info["privileged"]``, kept from its reset and given only to
+    # a critic; None until a reset succeeds, so also whether there is an episode to step.
+    privileged: dict[str, Any] | None = None
+
+    def reset(self, data: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a client's reset data and reset the env with it; the observation payload.
+        (In a worker thread on the server: a state to parse and restore may be megabytes
+        long.)"""
+        seed, options, episode_id = reset_arguments(data, self.env_id, self.own_kwargs,
+                                                    served_split(self.env))
+        try:
+            observation, info = self.env.reset(seed=seed, options=options)
+        except StateError as exc:
+            raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
+        except (KeyError, IndexError, ValueError, TypeError) as exc:
+            raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
+        self.episode_id = episode_id
+        self.step_count = int(info.get("turn", 0))
+        self.privileged = dict(info.get(PRIVILEGED) or {})
+        return observation_payload(observation, info, reward=None, terminated=False,
+                                   truncated=False)
+
+    def step(self, action: Any) -> dict[str, Any]:
+        """Step with a client's action object (``wire.action_text``); the observation
+        payload."""
+        text = action_text(action)
+        self._check_started()
+        try:
+            observation, reward, terminated, truncated, info = self.env.step(text)
+        except RuntimeError as exc:  # stepping after the end
+            raise ProtocolError(EXECUTION_ERROR, str(exc), status=409) from exc
+        self.step_count += 1
+        return observation_payload(observation, info, reward=reward, terminated=terminated,
+                                   truncated=truncated)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "episode_id": self.episode_id,
+            "step_count": self.step_count,
+            "env_state": saved_state(self.env),
+            # What a client needs to plan episodes (eval's task order, a trainer's turns).
+            "num_tasks": self.env.unwrapped.num_tasks,
+            "max_turns": self.env.unwrapped.max_turns,
+        }
+
+    def privileged_info(self) -> dict[str, Any]:
+        """The current episode's privileged info (the caller decides who may have it)."""
+        return dict(self._check_started())
+
+    def _check_started(self) -> dict[str, Any]:
+        """The episode's privileged info, or a refusal of a call that needs an episode
+        before any reset: a client's slip (or one whose session was reaped and that
+        reconnected to a fresh one), answered, not an env error logged with its
+        traceback."""
+        if self.privileged is not None:
+            return self.privileged
         message = "no episode in this session yet: send reset first"
-        if self.config.idle_timeout_s is not None:
-            message += (f" (a session idle for {self.config.idle_timeout_s:g} s is closed, "
+        if self.idle_timeout_s is not None:
+            message += (f" (a session idle for {self.idle_timeout_s:g} s is closed, "
                         "serve --idle-timeout; a client that reconnects is on a new one)")
         raise ProtocolError(EXECUTION_ERROR, message, status=409)
-
-    def _reset_env(
-        self, env: gymnasium.Env, data: Mapping[str, Any]
-    ) -> tuple[str, dict[str, Any], str | None]:
-        """``reset_env`` with this server's settings (in a worker thread: a state to parse
-        and restore may be megabytes long)."""
-        return reset_env(env, data, self.config.env_id, self._own_kwargs or {})
-
-
-def reset_env(
-    env: gymnasium.Env, data: Mapping[str, Any], env_id: str, own_kwargs: Mapping[str, Any]
-) -> tuple[str, dict[str, Any], str | None]:
-    """Check a client's reset data and reset ``env`` (built as ``env_id`` with the host's
-    settings ``own_kwargs``) with it; its observation, info and episode id. Refusals are
-    ``ProtocolError``s, so every transport words them alike."""
-    seed, options, episode_id = reset_arguments(data, env_id, own_kwargs, served_split(env))
-    try:
-        observation, info = env.reset(seed=seed, options=options)
-    except StateError as exc:
-        raise ProtocolError(STATE_REFUSED, f"restore failed: {exc}") from exc
-    except (KeyError, IndexError, ValueError, TypeError) as exc:
-        raise ProtocolError(VALIDATION_ERROR, f"reset refused: {exc}") from exc
-    return observation, info, episode_id
 
 
 def reset_arguments(
@@ -406,10 +441,8 @@ def reset_arguments(
     if episode_id is not None and (not isinstance(episode_id, str) or len(episode_id) > 255):
         raise ProtocolError(VALIDATION_ERROR, "episode_id must be a string of at most 255 "
                             "characters")
-    if "split" in data and data["split"] != split:
-        raise ProtocolError(VALIDATION_ERROR, f"split {data['split']!r} is not served here: "
-                            f"this env's tasks are split {split!r} (the split is the host's "
-                            "setting: serve --env-arg split=...)")
+    if "split" in data:
+        check_split(data["split"], split)
     options = {key: data[key] for key in ("task_id", "index") if key in data}
     if "state" in data:
         if options or seed is not None or "split" in data:
@@ -444,14 +477,63 @@ def served_split(env: gymnasium.Env) -> str:
     return split if isinstance(split, str) and split else ALL_TASKS
 
 
+def check_split(asked: Any, split: str) -> None:
+    """Refuse a split other than ``split``, the one the env serves: the split is a host
+    setting, so a client naming another is told so rather than ignored."""
+    if asked != split:
+        raise ProtocolError(VALIDATION_ERROR, f"split {asked!r} is not served here: this "
+                            f"env's tasks are split {split!r} (the split is the host's "
+                            "setting: serve --env-arg split=...)")
+
+
+class TaskIndexError(ProtocolError):
+    """A task index out of range: the one refusal OpenEnv's task API contract has an
+    ``Environment`` raise as ``IndexError`` (its server answers that with 400)."""
+
+
+@dataclass(frozen=True)
+class TaskList:
+    """OpenEnv's task API (``TaskProvider``) over an env's tasks, for the server's routes
+    and the in-process ``Environment`` alike: the env's one split, and its tasks as
+    ``{"id", "index"}``, never a task's payload, which holds its answer. Every call names
+    the split, which is checked; bounds and indices come from clients and are checked too."""
+
+    split: str
+    task_ids: tuple[str, ...]
+
+    @classmethod
+    def of(cls, env: gymnasium.Env) -> TaskList:
+        return cls(served_split(env), tuple(task.task_id for task in env.unwrapped.tasks))
+
+    def ids(self, split: Any) -> Sequence[str]:
+        """The task ids of ``split``, which must be the one served."""
+        check_split(split, self.split)
+        return self.task_ids
+
+    def task(self, split: Any, index: Any) -> dict[str, Any]:
+        ids = self.ids(split)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(ids):
+            raise TaskIndexError(VALIDATION_ERROR, f"index must be a whole number in "
+                                 f"[0, {len(ids)}), got {index!r}")
+        return {"id": ids[index], "index": index}
+
+    def tasks(self, split: Any, start: Any = None, stop: Any = None) -> list[dict[str, Any]]:
+        """The tasks from ``start`` to ``stop`` (as a slice takes them; None: every one)."""
+        ids = self.ids(split)
+        if any(bound is not None and (isinstance(bound, bool) or not isinstance(bound, int))
+               for bound in (start, stop)):
+            raise ProtocolError(VALIDATION_ERROR, "start and stop must be whole numbers or "
+                                "null")
+        return [{"id": ids[i], "index": i} for i in range(len(ids))[start:stop]]
+
+
 def describe(env_id: str, env_kwargs: Mapping[str, Any]) -> Catalogue:
     """Build ``env_id`` and read its catalogue; the tools are a reset's (an env may choose
     them by its protocol setting)."""
     env = gymnasium.make(env_id, disable_env_checker=True, **env_kwargs)
     try:
         _, info = env.reset(options={"index": 0})
-        task_ids = tuple(task.task_id for task in env.unwrapped.tasks)
-        return Catalogue(served_split(env), task_ids, tuple(info.get("tools", ())))
+        return Catalogue(TaskList.of(env), tuple(info.get("tools", ())))
     finally:
         env.close()
 

@@ -149,6 +149,8 @@ def test_serve_takes_the_critic_token_from_the_environment_and_refuses_bad_ones_
         (["--token-env", "SERVE_TEST_POLICY", "--critic-token-env", "SERVE_TEST_POLICY"],
          "must differ"),
         (["--max-sessions", "0"], "max_sessions must be at least 1"),
+        (["--idle-timeout", "nan"], "positive finite number"),  # the reaper would never wake
+        (["--idle-timeout", "inf"], "positive finite number"),
     ):
         assert main(["serve", "agent_gym/GSM8K-v0", *argv]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
