@@ -10,12 +10,21 @@ filled in from the alfworld wheel when a game is read.
 Where games come from, first match wins: an explicit path, ALFWorld's own data directory
 ``$ALFWORLD_DATA/json_2.1.1/<split>`` (alfworld defaults ``$ALFWORLD_DATA`` to
 ``~/.cache/alfworld``), the bundled synthetic set.
+
+The large synthetic set (splits ``large_train`` and ``large_test``, written by
+`agent_gym.alfworld.large`) is too many games for a directory per game: each split is
+one pack, ``datasets/alfworld/large/<split>.jsonl.xz``, a game per line (its task id,
+its ``game.tw-pddl`` without domain and grammar, its ``traj_data.json``). A pack is read
+only if its content has the SHA-256 recorded in ``LARGE_DIGESTS``, so a damaged or
+altered file is refused instead of measured on.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import lzma
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -23,6 +32,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from agent_gym import untrusted
 
 # ALFWorld numbers its task types 1..6 in this order (alfred_tw_env.TASK_TYPES).
 TASK_TYPES = (
@@ -34,10 +45,21 @@ TASK_TYPES = (
     "pick_two_obj_and_place",
 )
 SPLITS = ("train", "valid_seen", "valid_unseen")
+LARGE_SPLITS = ("large_train", "large_test")
 GAME_FILE = "game.tw-pddl"
 TRAJ_FILE = "traj_data.json"
+PACK_SUFFIX = ".jsonl.xz"
 SOURCES = ("path", "alfworld_data", "synthetic")
+# The SHA-256 of each large split's pack, uncompressed (so another xz build compressing
+# the same games differently is still the same set). Regenerating with a changed generator
+# changes them: `python -m agent_gym.alfworld.large --regenerate` prints the new ones;
+# record them and say so, since figures measured on the old set no longer compare.
+LARGE_DIGESTS = {
+    "large_train": "04c1b2e7fa641033f6dd2e34e5809fca253b8e315f693ce5c413cad10af4fbea",
+    "large_test": "41bdbbebe4d31c033fd3b21511e40438dbb1c38aad7c2e1f33d02142b82f247b",
+}
 _SOLVABLE = re.compile(rb'"solvable"\s*:\s*true')
+_RESTORE = "reinstall agent-gym or restore the file from its repository"
 
 
 class GameError(ValueError):
@@ -87,17 +109,22 @@ def bundled_root() -> Path:
     return Path(str(resources.files("agent_gym") / "datasets" / "alfworld"))
 
 
+def large_pack(split: str) -> Path:
+    """The bundled pack of a large split."""
+    return bundled_root() / "large" / f"{split}{PACK_SUFFIX}"
+
+
 def resolve_root(data_path: str | os.PathLike[str] | None, split: str) -> tuple[Path, str]:
-    """The directory (or single game file) to read and which of ``SOURCES`` it is."""
-    if split not in SPLITS:
-        raise GameError(f"split must be one of {SPLITS}, got {split!r}")
+    """The directory (or single game file, or pack) to read and which of ``SOURCES`` it is."""
+    if split not in SPLITS + LARGE_SPLITS:
+        raise GameError(f"split must be one of {SPLITS + LARGE_SPLITS}, got {split!r}")
     if data_path is not None:
         path = Path(data_path).expanduser()
         if not path.exists():
             raise GameError(f"ALFWorld data path {path} does not exist")
         if (path / split).is_dir():
             return path / split, "path"
-        others = [name for name in SPLITS if (path / name).is_dir()]
+        others = [name for name in SPLITS + LARGE_SPLITS if (path / name).is_dir()]
         if others:
             # A labelled split must be that split: falling back to every game under the
             # path would report train games as, say, valid_unseen.
@@ -108,6 +135,8 @@ def resolve_root(data_path: str | os.PathLike[str] | None, split: str) -> tuple[
     home = os.environ.get("ALFWORLD_DATA")
     if home and (Path(home) / "json_2.1.1" / split).is_dir():
         return Path(home) / "json_2.1.1" / split, "alfworld_data"
+    if split in LARGE_SPLITS:
+        return large_pack(split), "synthetic"
     return bundled_root() / split, "synthetic"
 
 
@@ -115,8 +144,13 @@ def find_games(root: Path, task_types: Sequence[str] = TASK_TYPES) -> list[GameR
     """Every solvable game under ``root`` of the given types, in a stable order.
 
     Like ALFWorld's loader it skips the movable-receptacle and sliced-object variants
-    (outside the six task types) and games marked unsolvable.
+    (outside the six task types) and games marked unsolvable. ``root`` may be a pack
+    (see ``read_pack``), whose games are all solvable and of the six types.
     """
+    if root.name.endswith(PACK_SUFFIX):
+        return [GameRef(task_id, root, traj["task_type"])
+                for task_id, (_, traj) in read_pack(root).items()
+                if traj["task_type"] in task_types]
     if root.is_file():
         files = [root]
         base = root.parent.parent
@@ -136,14 +170,22 @@ def find_games(root: Path, task_types: Sequence[str] = TASK_TYPES) -> list[GameR
 
 
 def read_game(ref: GameRef) -> Game:
-    """Read a game file and fill in the domain and grammar when they were left out."""
-    try:
-        data = json.loads(ref.path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
-        raise GameError(f"cannot read game {ref.path}: {err}") from err
-    if not isinstance(data, dict) or "pddl_problem" not in data:
-        raise GameError(f"{ref.path} is not a game.tw-pddl file (no pddl_problem)")
-    traj = _read_traj(ref.path.parent / TRAJ_FILE)
+    """Read a game (from its file or its pack) and fill in the domain and grammar when
+    they were left out."""
+    if ref.path.name.endswith(PACK_SUFFIX):
+        try:
+            stored, traj = read_pack(ref.path)[ref.task_id]
+        except KeyError:
+            raise GameError(f"{ref.path} holds no game {ref.task_id!r}") from None
+        data = dict(stored)  # the pack's copy stays as it was read
+    else:
+        try:
+            data = untrusted.loads(ref.path.read_bytes())
+        except (OSError, ValueError) as err:
+            raise GameError(f"cannot read game {ref.path}: {err}") from err
+        if not isinstance(data, dict) or "pddl_problem" not in data:
+            raise GameError(f"{ref.path} is not a game.tw-pddl file (no pddl_problem)")
+        traj = _read_traj(ref.path.parent / TRAJ_FILE)
     task_desc = task_description(traj) if traj else ""
     data.setdefault("pddl_domain", alfred_domain())
     if "grammar" not in data:
@@ -161,6 +203,42 @@ def read_game(ref: GameRef) -> Game:
         walkthrough=walkthrough,
         synthetic=bool(traj.get("synthetic", False)),
     )
+
+
+def read_pack(path: Path) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Task id -> (game, traj) of a pack, refused unless its content has the SHA-256
+    recorded for its split in ``LARGE_DIGESTS``; read and checked once per process while
+    the file is unchanged. A refused file is left as it is."""
+    split = path.name.removesuffix(PACK_SUFFIX)
+    if split not in LARGE_DIGESTS:
+        raise GameError(f"{path}: no digest is recorded for a pack named {split!r} "
+                        f"(known: {', '.join(LARGE_DIGESTS)})")
+    try:
+        stat = path.stat()
+    except OSError as err:
+        raise GameError(f"cannot read pack {path}: {err}") from err
+    return _read_pack(path.resolve(), stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                      LARGE_DIGESTS[split])
+
+
+@functools.lru_cache(maxsize=8)
+def _read_pack(
+    path: Path, inode: int, size: int, mtime_ns: int, want: str
+) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """The stat fields are only part of the cache key: a changed file is read again."""
+    try:
+        content = lzma.decompress(path.read_bytes())
+    except (OSError, lzma.LZMAError, EOFError) as err:
+        raise GameError(f"cannot read pack {path} ({err}): it is damaged; {_RESTORE}") from err
+    got = hashlib.sha256(content).hexdigest()
+    if got != want:
+        raise GameError(f"{path} does not have the SHA-256 recorded for it ({got[:16]}... "
+                        f"instead of {want[:16]}...): it is not the shipped set; {_RESTORE}")
+    games = {}
+    for line in content.splitlines():  # the digest vouches for it: this is the set we wrote
+        record = json.loads(line)
+        games[record["task_id"]] = (record["game"], record["traj"])
+    return games
 
 
 def task_description(traj: dict[str, Any]) -> str:
@@ -203,7 +281,7 @@ def _read_traj(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        traj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as err:
+        traj = untrusted.loads(path.read_bytes())
+    except (OSError, ValueError) as err:
         raise GameError(f"cannot read {path}: {err}") from err
     return traj if isinstance(traj, dict) else {}

@@ -9,8 +9,10 @@ objects placed where ALFRED allows them, a goal from the goal library, and a wal
 that is played on the real engine and kept only if it wins.
 
 Splits follow ALFRED: ``train`` and ``valid_seen`` use the training floor plans,
-``valid_unseen`` the six held-out plans of each room type. Every game is labelled
-synthetic in its ``traj_data.json``.
+``valid_unseen`` the six held-out plans of each room type. The large set
+(`agent_gym.alfworld.large`) does the same: ``large_train`` on the training plans,
+``large_test`` on the held-out ones. Every game is labelled synthetic in its
+``traj_data.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from alfworld.gen import goal_library as goals
 from agent_gym.alfworld.engine import Engine
 from agent_gym.alfworld.games import (
     GAME_FILE,
+    LARGE_SPLITS,
     SPLITS,
     TASK_TYPES,
     TRAJ_FILE,
@@ -40,6 +43,8 @@ GRID = 0.25  # metres per step of ALFRED's navigation grid
 ROOMS = {"Kitchen": range(1, 31), "LivingRoom": range(201, 231),
          "Bedroom": range(301, 331), "Bathroom": range(401, 431)}
 UNSEEN_PLANS = frozenset(constants.TEST_SCENE_NUMBERS)
+# Splits whose games are set in UNSEEN_PLANS only; every other split never uses them.
+UNSEEN_SPLITS = frozenset({"valid_unseen", "large_test"})
 # Where ALFRED's goal library lets each task happen (the light task needs a lamp too).
 TASK_ROOMS = {task: constants.GOALS_VALID[task] for task in TASK_TYPES}
 # Which appliance changes the object, with the verb and ALFRED's list of fitting objects.
@@ -359,11 +364,11 @@ def generate_game(
     """One verified game; the same arguments always give the same game."""
     if task_type not in TASK_TYPES:
         raise GenerationError(f"unknown task type {task_type!r}")
-    if split not in SPLITS:
+    if split not in SPLITS + LARGE_SPLITS:
         raise GenerationError(f"unknown split {split!r}")
     rng = random.Random(f"agent_gym.alfworld/{seed}/{split}/{task_type}/{index}")
     plans = [(room, n) for room in sorted(TASK_ROOMS[task_type]) for n in ROOMS[room]
-             if (n in UNSEEN_PLANS) == (split == "valid_unseen")]
+             if (n in UNSEEN_PLANS) == (split in UNSEEN_SPLITS)]
     trial = f"trial_synthetic_{seed}_{index:04d}"
     for _ in range(MAX_ATTEMPTS):
         room, floor_plan = rng.choice(plans)

@@ -404,7 +404,7 @@ class Launcher:
             memory=memory,
         )
         if isinstance(memory, Watch):
-            memory.start(popen.pid, kill=lambda: reaper().submit(worker.terminate))
+            memory.start(popen.pid, kill=lambda: reaper().submit(worker.kill))
         # The configuration is the first request; it fits in the pipe buffer, so this
         # returns at once even though the worker is still starting.
         config = self._worker_config(single, forkserver, warm)

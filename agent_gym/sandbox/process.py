@@ -423,6 +423,24 @@ class WorkerProcess:
         with self._teardown:
             self._terminate()
 
+    def kill(self) -> None:
+        """SIGKILL the whole tree, without waiting or releasing anything: for another thread
+        (the memory watcher) while the owner may be reading the worker's pipes. Closing
+        them under the owner would fail its read, or worse, let the descriptor be reused
+        by another file; the owner sees the worker die and tears it down (``terminate``)
+        as after any death. Under the teardown lock, so no descriptor it signals through
+        can have been closed."""
+        with self._teardown:
+            if self._killed:
+                return
+            if self._inner_pidfd is not None:
+                with suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self._inner_pidfd, signal.SIGKILL)
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            with suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
     def _terminate(self) -> None:
         if self._killed:
             return
