@@ -8,6 +8,8 @@ package so that everything runs offline.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -79,3 +81,18 @@ def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], sourc
         missing = [name for name in fields if name not in record]
         if missing:
             raise DataError(f"{source}: record {index} lacks the field(s) {missing}")
+
+
+def write_file_atomically(path: Path, content: bytes) -> None:
+    """Write a generated data file whole or not at all (a process killed half-way, or two
+    writing the same file at once, leaves the old file or the new one), readable by every
+    user of a shared cache or package."""
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(content)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

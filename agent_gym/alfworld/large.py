@@ -24,9 +24,7 @@ import argparse
 import hashlib
 import json
 import lzma
-import os
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +38,7 @@ from agent_gym.alfworld.games import (
     find_games,
     large_pack,
 )
+from agent_gym.data import write_file_atomically
 
 if TYPE_CHECKING:  # the engine needs textworld, which checking the packs does not
     from agent_gym.alfworld.engine import Engine
@@ -106,21 +105,9 @@ def regenerate(out_dir: Path, splits: Sequence[str],
         check(split, content)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{split}{PACK_SUFFIX}"
-        _write_atomically(path, lzma.compress(content, preset=9))
+        write_file_atomically(path, lzma.compress(content, preset=9))
         written.append(path)
     return written
-
-
-def _write_atomically(path: Path, content: bytes) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(content)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
 
-from agent_gym.data import DataError
+from agent_gym.data import DataError, write_file_atomically
 from agent_gym.search import cache_root
 from agent_gym.search.bm25 import corpus_sha256
 from agent_gym.search.world import Corpus, Quotas, Spec, build_world, jsonl, questions
@@ -188,7 +186,7 @@ def ensure(root: Path | None = None) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         for name, content in files.items():
             if not (directory / name).is_file():
-                _write_atomically(directory / name, content)
+                write_file_atomically(directory / name, content)
     for name, want in DIGESTS.items():
         got = corpus_sha256(directory / name)
         if got != want:
@@ -198,18 +196,6 @@ def ensure(root: Path | None = None) -> Path:
                 "generated; delete it and it is generated again"
             )
     return directory
-
-
-def _write_atomically(path: Path, content: bytes) -> None:
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(content)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def main(argv: list[str] | None = None) -> int:
