@@ -473,7 +473,9 @@ class TextEnv(gymnasium.Env[str, str]):
         self._outside_step = 0
         self._done = False
         opening = self._start(task)
-        self.prefixes.begin(task.task_id, lambda: self._prefix_root(task))
+        keeps_snapshots = (self.snapshot_cache_size > 0
+                           and type(self)._snapshot is not TextEnv._snapshot)
+        self.prefixes.begin(task.task_id, lambda: self._prefix_root(task), keeps_snapshots)
         self._digests = [digest(opening.observation)]
         self._transcript = [opening.observation]
         return opening

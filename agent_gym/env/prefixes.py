@@ -131,11 +131,13 @@ class PrefixIndex:
         return self._chain[-1] if self._chain else None
 
     # ----------------------------------------------------------------- for TextEnv
-    def begin(self, task_id: str, root: Callable[[], Sequence[Any] | None]) -> None:
+    def begin(self, task_id: str, root: Callable[[], Sequence[Any] | None],
+              snapshots: bool) -> None:
         """Start an episode's chains; ``root`` names its start in the store (None: keep no
-        record) and is only asked when there is a store."""
+        record) and is only asked when there is a store. ``snapshots``: whether this env
+        keeps snapshots at all; an env that does not pays nothing per step for naming them."""
         self._task_id = task_id
-        self._local = _task_key(task_id)
+        self._local = _task_key(task_id) if snapshots else ""
         self._chain = []
         parts = root() if self._store is not None else None
         if parts is None:
@@ -145,7 +147,8 @@ class PrefixIndex:
         self._chain = [hashlib.sha256(start.encode("utf-8", "surrogatepass")).hexdigest()]
 
     def advance(self, action: str, fault: str | None) -> None:
-        self._local = chain_key(self._local, action, fault)
+        if self._local:
+            self._local = chain_key(self._local, action, fault)
         if self._chain:
             self._chain.append(chain_key(self._chain[-1], action, fault))
 
@@ -167,6 +170,8 @@ class PrefixIndex:
     def remember(self, snapshot: object, path: list[Transition], size: int) -> None:
         """Keep the engine's snapshot after the current prefix, whose transitions are
         ``path`` (the episode's list, appended to and never changed), at most ``size``."""
+        if not self._local:  # the episode began without snapshots: its prefixes are unnamed
+            return
         key = PrefixKey(self._task_id, len(path), self._local)
         self._snapshots[key] = _Prefix(snapshot, path, len(path))
         self._snapshots.move_to_end(key)
