@@ -47,9 +47,10 @@ from pytrio import Datum
 
 from agent_gym_train.args import OUT_HELP, RunArgs
 from agent_gym_train.args import parse_args as parse_run_args
-from agent_gym_train.clients import ServiceClient
+from agent_gym_train.clients import Sampler, ServiceClient
 from agent_gym_train.episode import Episode, build_datum
 from agent_gym_train.options import option
+from agent_gym_train.pipeline import RolloutPipeline
 from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
 from agent_gym_train.run import device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics
@@ -71,6 +72,12 @@ class Args(RunArgs):
         "learning signal (rewards not all equal)")
     max_refill_groups: int = option(
         8, "with --dynamic-sampling: extra groups a step may roll out at most")
+    max_staleness: int = option(
+        0, "sample the next steps' rollouts while the learner trains, on weights at most N "
+        "updates old (0: wait for each update, the synchronous loop)")
+    max_importance_weight: float = option(
+        2.0, "with --max-staleness: the largest importance weight of a token under "
+        "--loss importance_sampling (truncated importance sampling)")
     history_window: int | None = option(
         None, "show the policy the task and only the last N turns, as `agent-gym eval "
         "--history-window N` does (each cut restarts the token-continuous prompt)")
@@ -85,6 +92,10 @@ class Args(RunArgs):
                   else []),
                 *(["--max-refill-groups must not be negative"] if self.max_refill_groups < 0
                   else []),
+                *(["--max-staleness must not be negative"] if self.max_staleness < 0
+                  else []),
+                *(["--max-importance-weight must be at least 1"]
+                  if not 1 <= self.max_importance_weight < float("inf") else []),
                 *(["--history-window must be positive"]
                   if self.history_window is not None and self.history_window < 1 else [])]
 
@@ -102,13 +113,11 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
         config = run_rollout_config(run, args.group_size, args.history_window)
-        for step in run.progress():
-            t0 = time.perf_counter()
-            # ---- a fresh sampler on the current weights
-            sampler = run.training.save_weights_and_get_sampling_client()
-            t1 = time.perf_counter()
+        objective = (run.objective.truncated(args.max_importance_weight)
+                     if args.max_staleness else run.objective)
 
-            # ---- rollouts: batch_size tasks x group_size branches
+        def collect(step: int, sampler: Sampler) -> tuple[list[list[Episode]], int]:
+            """The step's groups: batch_size tasks x group_size branches, and the refills."""
             rng = run.rng(step)
             groups = rollout_step(run, step, sampler, run.tasks(rng, args.batch_size), config)
             # ---- dynamic sampling: refill the degenerate groups (rewards all equal) with
@@ -122,36 +131,49 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 groups += rollout_step(run, step, sampler, run.tasks(rng, more), config,
                                        purpose=f"refill-{refills}")
                 refills += more
-            t2 = time.perf_counter()
+            return groups, refills
 
-            # ---- advantages and datums; groups without signal are skipped
-            datums: list[Datum] = []
-            for group in groups:
-                if degenerate(group):
-                    continue
-                rewards = np.array([episode.reward for episode in group])
-                advantages = rewards - rewards.mean()
-                if args.normalize_std:
-                    advantages /= rewards.std() + 1e-6
-                datums += [build_datum(sequence, float(advantage))
-                           for episode, advantage in zip(group, advantages, strict=True)
-                           for sequence in episode.sequences]
+        # ---- rollouts on weights at most max_staleness updates old (0: the current ones)
+        with RolloutPipeline(run, collect, args.max_staleness) as rollouts:
+            for step in run.progress():
+                t0 = time.perf_counter()
+                sampled = rollouts.take(step)
+                groups, refills = sampled.batch
+                t1 = time.perf_counter()
 
-            # ---- one update on the whole logical batch
-            trained = run.update(datums)
-            t3 = time.perf_counter()
+                # ---- advantages and datums; groups without signal are skipped
+                datums: list[Datum] = []
+                for group in groups:
+                    if degenerate(group):
+                        continue
+                    rewards = np.array([episode.reward for episode in group])
+                    advantages = rewards - rewards.mean()
+                    if args.normalize_std:
+                        advantages /= rewards.std() + 1e-6
+                    datums += [build_datum(sequence, float(advantage))
+                               for episode, advantage in zip(group, advantages, strict=True)
+                               for sequence in episode.sequences]
 
-            # ---- metrics, then checkpoint (so a step counted done always has its line)
-            skipped = sum(degenerate(g) for g in groups)
-            row = {"step": step, **rollout_metrics([e for g in groups for e in g]),
-                   "groups": len(groups), "degenerate_groups": skipped,
-                   "degenerate_rate": skipped / len(groups), "refill_groups": refills,
-                   **trained,
-                   "time_sampler": t1 - t0, "time_rollout": t2 - t1, "time_train": t3 - t2,
-                   "time_step": time.perf_counter() - t0}
-            run.finish(step, row, shown={"reward": round(row["reward_mean"], 3),
-                                         "degenerate": skipped})
-            history.append(row)
+                # ---- one update on the whole logical batch; then the sampler on the new
+                #      weights, for the rollouts that wait for them
+                trained = run.update(datums, objective=objective)
+                rollouts.publish(step + 1)
+                t2 = time.perf_counter()
+
+                # ---- metrics, then checkpoint (so a step counted done always has its line)
+                skipped = sum(degenerate(g) for g in groups)
+                row = {"step": step, **rollout_metrics([e for g in groups for e in g]),
+                       "groups": len(groups), "degenerate_groups": skipped,
+                       "degenerate_rate": skipped / len(groups), "refill_groups": refills,
+                       **trained, "sampler_version": sampled.version,
+                       "staleness": sampled.staleness,
+                       "time_sampler": sampled.time_sampler,
+                       "time_rollout": sampled.time_rollout,
+                       "time_waiting": t1 - t0, "time_train": t2 - t1,
+                       "time_step": time.perf_counter() - t0}
+                run.finish(step, row, shown={"reward": round(row["reward_mean"], 3),
+                                             "degenerate": skipped})
+                history.append(row)
     return history
 
 

@@ -34,6 +34,7 @@ advantage.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,31 @@ class Objective:
     aggregation: str = TOKEN_MEAN
     clip_low: float | None = None  # None: the loss's default (CLIP_DEFAULTS)
     clip_high: float | None = None
+    # Truncated importance sampling for data sampled on older weights (see
+    # ``truncated``): the largest weight a token of ``importance_sampling`` gets.
+    max_weight: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_weight is not None and not 1 <= self.max_weight < float("inf"):
+            raise ValueError(f"the largest importance weight must be at least 1, got "
+                             f"{self.max_weight}")
+
+    def truncated(self, max_weight: float) -> Objective:
+        """This objective for data up to some versions older than the weights it trains.
+
+        Every loss here weighs a token by ``r = exp(p - q)``, its probability under the
+        weights being trained over that under the sampler that drew it: with a stale
+        sampler that ratio *is* the off-policy correction, and only needs bounding. ppo,
+        cispo and gspo clip it already. ``importance_sampling`` does not, and a token the
+        new weights like far more than the old ones did would dominate the step; it is
+        trained as truncated importance sampling (IMPALA's truncated weight, TIS): the
+        gradient ``-min(r, max_weight) * A * grad p``, which is pytrio's own ``cispo`` with
+        the bounds ``[0, max_weight]``. Where ``r <= max_weight`` its gradient is exactly
+        ``importance_sampling``'s (``grad r = r grad p``); the reported loss is cispo's.
+        """
+        if self.loss != "importance_sampling":
+            return self
+        return dataclasses.replace(self, loss="cispo", max_weight=max_weight)
 
     @property
     def built_in(self) -> bool:
@@ -89,6 +115,8 @@ class Objective:
 
     def thresholds(self) -> dict[str, float] | None:
         """The ratio bounds as pytrio's ``loss_fn_config`` keys (None: the loss clips nothing)."""
+        if self.max_weight is not None and self.loss == "cispo":
+            return {"clip_low_threshold": 0.0, "clip_high_threshold": self.max_weight}
         if self.loss not in CLIP_DEFAULTS:
             return None
         low, high = CLIP_DEFAULTS[self.loss]

@@ -123,7 +123,10 @@ class Run:
         chosen = rng.choice(self.num_tasks, size=count, replace=count > self.num_tasks)
         return [{"index": int(i)} for i in chosen]
 
-    def update(self, datums: list[Datum], supervised: Sequence[Datum] = ()) -> Metrics:
+    def update(
+        self, datums: list[Datum], supervised: Sequence[Datum] = (),
+        objective: Objective | None = None,
+    ) -> Metrics:
         """One forward-backward of the run's objective on the step's whole logical batch
         (pytrio normalises by whole-batch totals) and one ``optim_step``; nothing when there
         are neither datums nor supervised ones. Returns the update's part of the metrics line.
@@ -131,11 +134,13 @@ class Run:
         ``supervised``: ``cross_entropy`` datums trained in the same step, as a second pass
         whose gradients add to the first's (each pass is its own batch's mean, so the two
         terms keep their weights however many tokens each has). OPD's teacher labels.
+        ``objective``: the loss of ``datums`` when not the run's (stale data's truncated one).
         """
         metrics: dict[str, float] = {}
         extra: Metrics = {}
         if datums:
-            metrics = dict(self.objective.forward_backward(self.training, datums).result().metrics)
+            objective = objective or self.objective
+            metrics = dict(objective.forward_backward(self.training, datums).result().metrics)
         if supervised:
             ce = self.training.forward_backward(list(supervised), "cross_entropy").result()
             extra = {"supervised_datums": len(supervised),

@@ -203,3 +203,40 @@ def test_loss_option_problems() -> None:
                        )[1]["clip_fraction"] == pytest.approx(3 / 5)
     assert Objective("ppo").built_in and not Objective("gspo").built_in
     assert not Objective("ppo", "sequence-mean").built_in
+
+
+def test_stale_data_trains_importance_sampling_truncated() -> None:
+    """Truncated importance sampling: below the bound every token's gradient is
+    importance_sampling's own (-r*A); above it the weight stops at the bound, and the
+    token still trains (a plain clip would silence it)."""
+    objective = Objective("importance_sampling").truncated(1.2)
+    assert (objective.loss, objective.built_in) == ("cispo", True)
+    assert objective.thresholds() == {"clip_low_threshold": 0.0, "clip_high_threshold": 1.2}
+    # ppo, cispo and gspo bound the ratio themselves: nothing changes for them
+    assert Objective("ppo").truncated(1.2) == Objective("ppo")
+    logprobs = [torch.tensor(p, requires_grad=True) for p in P]
+    config = {"loss": objective.loss, "aggregation": "token-mean", **objective.thresholds()}
+    scaled, metrics = policy_loss(datums(), logprobs, config)
+    scaled.backward()
+    weighted = sum(int(p.grad.count_nonzero()) for p in logprobs)
+    # sequence 1's first ratio, e^0.3 = 1.35, is cut to 1.2; the others are below it
+    want = [[0, -1.2 / 5, -R2 / 5], [2 / 5, 2 * R4 / 5, 2 / 5]]
+    for p, expected in zip(logprobs, want, strict=True):
+        torch.testing.assert_close(p.grad / weighted, torch.tensor(expected), rtol=1e-5,
+                                   atol=1e-7)
+    assert metrics["clip_fraction"] == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match="at least 1"):
+        Objective("importance_sampling").truncated(0.5)
+
+
+def test_truncation_above_every_ratio_trains_as_importance_sampling(
+    service: LocalServiceClient,
+) -> None:
+    """Through the model: with a bound no ratio reaches, the truncated loss's update is
+    importance_sampling's (same gradient, computed by another formula)."""
+    plain, truncated = (service.create_full_training_client("tiny:3") for _ in range(2))
+    batch = make_datums(plain.model)
+    Objective("importance_sampling").forward_backward(plain, batch).result()
+    Objective("importance_sampling").truncated(100.0).forward_backward(truncated, batch).result()
+    for a, b in zip(plain.model.parameters(), truncated.model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7)

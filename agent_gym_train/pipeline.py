@@ -1,0 +1,181 @@
+"""Rollouts that run ahead of the learner, by at most ``max_staleness`` weight versions.
+
+A synchronous trainer alternates: the sampler waits while the learner updates, the learner
+waits while the sampler rolls out, and on a machine where each would have a core of its
+own one of them idles for most of a step. ``RolloutPipeline`` lets the rollouts of later
+steps run, in a worker thread, while the learner trains the current one:
+
+* the weights have a **version**, the number of updates applied (``run.start`` when the
+  run opens: a continued run's first sampler is its checkpoint's weights);
+* the rollouts of step ``t`` are sampled on version ``max(run.start, t - max_staleness)``,
+  so the data an update trains on is at most ``max_staleness`` versions behind the weights
+  it updates, and the worker never runs further ahead than that;
+* after each update the trainer calls ``publish``, which takes a sampler on the new weights
+  (on the learner's thread: the weights are not changing then) when a later step needs it.
+
+``max_staleness=0`` is the synchronous loop itself, with no thread: ``take(step)`` takes a
+sampler on the current weights and rolls out, exactly as the trainers did before the
+pipeline existed. What the data sampled on older weights costs the objective, and how the
+loss bounds it, is in ``agent_gym_train.losses`` (``Objective.max_weight``).
+
+On the local backend the learner and the sampler then run at once in one process: each is
+given half of the run's torch threads (at least one), since both call torch's one
+process-wide pool. Torch releases the GIL inside its operators, so the two threads overlap
+except for their Python between operators. On the PyTRIO backend the worker's rollouts are
+calls to the service, and overlap with the learner's calls the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Generic, TypeVar
+
+import torch
+
+from agent_gym_train.backends.runtime import apply_threads
+from agent_gym_train.clients import Sampler
+from agent_gym_train.run import Run
+
+T = TypeVar("T")
+SWITCH_INTERVAL_S = 0.0005  # how soon a thread computing in Python hands the GIL over
+
+
+@dataclass(frozen=True)
+class Sampled(Generic[T]):
+    """One step's rollouts: what ``collect`` returned, and on which weights."""
+
+    step: int
+    version: int  # updates applied to the weights that sampled it
+    batch: T
+    time_sampler: float  # taking the sampler (copying the weights)
+    time_rollout: float  # collect's own time
+    time_waited: float  # how long the learner waited for it
+
+    @property
+    def staleness(self) -> int:
+        """Versions between the weights that sampled the batch and those it updates."""
+        return self.step - self.version
+
+
+class RolloutPipeline(Generic[T]):
+    """Steps ``run.start .. run.steps - 1`` of rollouts, produced by ``collect(step,
+    sampler)`` and handed to the learner in order by ``take``. Use it as a context
+    manager: leaving it stops the worker (a rollout in progress is abandoned)."""
+
+    def __init__(
+        self, run: Run, collect: Callable[[int, Sampler], T], max_staleness: int
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must not be negative, got {max_staleness}")
+        self.run = run
+        self.collect = collect
+        self.max_staleness = max_staleness
+        self._ready: dict[int, Sampled[T]] = {}
+        self._samplers: dict[int, tuple[Sampler, float]] = {}
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._changed = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._restore: tuple[int, float] | None = None
+        if max_staleness:
+            self._share_cores()
+            self._publish_now(run.start)
+            self._worker = threading.Thread(target=self._produce, name="rollouts", daemon=True)
+            self._worker.start()
+
+    def version_for(self, step: int) -> int:
+        """The weight version step ``step``'s rollouts are sampled on."""
+        return max(self.run.start, step - self.max_staleness)
+
+    def take(self, step: int) -> Sampled[T]:
+        """Step ``step``'s rollouts; waits for the worker if they are not done yet."""
+        if self._worker is None:  # synchronous: sample on the weights as they are now
+            t0 = time.perf_counter()
+            sampler = self.run.training.save_weights_and_get_sampling_client()
+            t1 = time.perf_counter()
+            batch = self.collect(step, sampler)
+            return Sampled(step, step, batch, t1 - t0, time.perf_counter() - t1, 0.0)
+        t0 = time.perf_counter()
+        with self._changed:
+            while step not in self._ready and self._failure is None:
+                self._changed.wait()
+            if self._failure is not None:
+                raise RuntimeError("the rollout worker failed") from self._failure
+            sampled = self._ready.pop(step)
+        return Sampled(sampled.step, sampled.version, sampled.batch, sampled.time_sampler,
+                       sampled.time_rollout, time.perf_counter() - t0)
+
+    def publish(self, version: int) -> None:
+        """The weights now hold ``version`` updates: take a sampler on them if a later step
+        samples on this version. Call it right after the update, before anything else."""
+        if self._worker is None:
+            return
+        if any(self.version_for(t) == version for t in range(version, self.run.steps)):
+            self._publish_now(version)
+
+    def close(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._samplers.clear()
+            self._changed.notify_all()
+        if self._restore is not None:
+            threads, interval = self._restore
+            apply_threads(threads)
+            sys.setswitchinterval(interval)
+            self._restore = None
+
+    def __enter__(self) -> RolloutPipeline[T]:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- worker
+    def _publish_now(self, version: int) -> None:
+        t0 = time.perf_counter()
+        sampler = self.run.training.save_weights_and_get_sampling_client()
+        with self._changed:
+            self._samplers[version] = (sampler, time.perf_counter() - t0)
+            self._changed.notify_all()
+
+    def _produce(self) -> None:
+        try:
+            for step in range(self.run.start, self.run.steps):
+                version = self.version_for(step)
+                with self._changed:
+                    while version not in self._samplers and not self._stopping:
+                        self._changed.wait()
+                    if self._stopping:
+                        return
+                    sampler, copy_time = self._samplers[version]
+                    for old in [v for v in self._samplers if v < version]:
+                        del self._samplers[old]  # no later step samples on older weights
+                t0 = time.perf_counter()
+                batch = self.collect(step, sampler)
+                done = Sampled(step, version, batch, copy_time, time.perf_counter() - t0, 0.0)
+                del sampler
+                with self._changed:
+                    self._ready[step] = done
+                    self._changed.notify_all()
+        except BaseException as error:  # handed to the learner by take()
+            with self._changed:
+                if not self._stopping:
+                    self._failure = error
+                self._changed.notify_all()
+
+    def _share_cores(self) -> None:
+        """Half the run's torch threads each for the learner and the sampler (local
+        backend), and quick GIL hand-overs between them."""
+        self._restore = (torch.get_num_threads(), sys.getswitchinterval())
+        threads = getattr(self.run.service, "threads", None)
+        if isinstance(threads, int):
+            apply_threads(max(1, threads // 2))
+        sys.setswitchinterval(SWITCH_INTERVAL_S)

@@ -1,0 +1,232 @@
+"""Rollouts ahead of the learner (agent_gym_train.pipeline) and GRPO with --max-staleness."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pytrio import Datum
+
+from agent_gym_train import grpo
+from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
+from agent_gym_train.episode import build_datum
+from agent_gym_train.grpo import degenerate, train
+from agent_gym_train.pipeline import RolloutPipeline
+from agent_gym_train.rollout import rollout_step, run_rollout_config
+from agent_gym_train.run import device_defaults, open_run
+from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
+
+
+class RecordingTraining:
+    """A real local training client that also keeps every datum it trains, in order, and
+    can hold an optimizer step until something else happened (``before_update``)."""
+
+    def __init__(self, client: LocalTrainingClient) -> None:
+        self.client = client
+        self.trained: list[list[Datum]] = []
+        self.before_update: Callable[[int], None] | None = None
+
+    def forward_backward(self, data: list[Datum], *args: Any, **kwargs: Any) -> Any:
+        self.trained.append(list(data))
+        return self.client.forward_backward(data, *args, **kwargs)
+
+    def forward_backward_custom(self, data: list[Datum], *args: Any, **kwargs: Any) -> Any:
+        self.trained.append(list(data))
+        return self.client.forward_backward_custom(data, *args, **kwargs)
+
+    def optim_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before_update is not None:
+            self.before_update(len(self.trained) - 1)
+        return self.client.optim_step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+class RecordingService(LocalServiceClient):
+    """The local backend whose training clients record what they train."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(checkpoint_dir=out, device="cpu", threads=1)
+        self.training: list[RecordingTraining] = []
+
+    def create_full_training_client(self, *args: Any, **kwargs: Any) -> Any:
+        self.training.append(RecordingTraining(super().create_full_training_client(
+            *args, **kwargs)))
+        return self.training[-1]
+
+
+def assert_same_datums(got: list[Datum], want: list[Datum]) -> None:
+    """The same tokens, targets and advantages exactly, and the same sampler logprobs up to
+    float noise: rows join the sampler's decode batch as their env steps return, and a
+    batch of another shape rounds differently (two runs of the synchronous loop itself
+    differ by about 2e-7)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.model_input.to_ints() == b.model_input.to_ints()
+        assert sorted(a.loss_fn_inputs) == sorted(b.loss_fn_inputs)
+        for key in ("target_tokens", "advantages"):
+            assert a.loss_fn_inputs[key].data == b.loss_fn_inputs[key].data
+        assert a.loss_fn_inputs["logprobs"].data == pytest.approx(
+            b.loss_fn_inputs["logprobs"].data, abs=1e-5)
+
+
+def synchronous_grpo(args: grpo.Args, service: RecordingService) -> None:
+    """GRPO's loop as it was before rollouts could run ahead: a sampler on the current
+    weights, the step's groups, their datums, one update."""
+    args = device_defaults(args)
+    with open_run(args, args.steps, service) as run:
+        config = run_rollout_config(run, args.group_size)
+        for step in run.progress():
+            sampler = run.training.save_weights_and_get_sampling_client()
+            groups = rollout_step(run, step, sampler, run.tasks(run.rng(step), args.batch_size),
+                                  config)
+            datums = []
+            for group in groups:
+                if degenerate(group):
+                    continue
+                rewards = np.array([episode.reward for episode in group])
+                datums += [build_datum(sequence, float(advantage))
+                           for episode, advantage in zip(group, rewards - rewards.mean(),
+                                                         strict=True)
+                           for sequence in episode.sequences]
+            run.update(datums)
+            run.finish(step, {"step": step, "datums": len(datums)})
+
+
+def test_staleness_zero_trains_exactly_the_synchronous_datums(
+    toy_model: str, tmp_path: Path  # noqa: F811
+) -> None:
+    settings = {"steps": 4, "batch_size": 3, "group_size": 4}
+    pipelined, reference = RecordingService(tmp_path / "a"), RecordingService(tmp_path / "b")
+    history = train(toy_args(toy_model, tmp_path / "pipelined", max_staleness=0, **settings),
+                    pipelined)
+    synchronous_grpo(toy_args(toy_model, tmp_path / "reference", **settings), reference)
+    got, want = pipelined.training[0], reference.training[0]
+    assert len(got.trained) == len(want.trained) > 0
+    for a, b in zip(got.trained, want.trained, strict=True):
+        assert_same_datums(a, b)
+    for a, b in zip(got.model.parameters(), want.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # and so the same weights
+    assert [row["staleness"] for row in history] == [0] * 4
+    assert [row["sampler_version"] for row in history] == [0, 1, 2, 3]
+
+
+def test_rollouts_run_while_the_learner_trains_one_version_behind(
+    toy_model: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """With --max-staleness 1, step t+1's rollouts start before step t's update ends: the
+    update is held until they started (a synchronous loop would wait here forever)."""
+    service = RecordingService(tmp_path / "checkpoints")
+    started: dict[int, threading.Event] = {}
+    real = grpo.rollout_step
+
+    def recording(run: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        started.setdefault(step, threading.Event()).set()
+        return real(run, step, *args, **kwargs)
+
+    def hold_update(update: int) -> None:
+        if update + 1 < 5:  # the last update has no later rollouts to wait for
+            assert started.setdefault(update + 1, threading.Event()).wait(timeout=60), (
+                f"step {update + 1}'s rollouts did not start while update {update} waited")
+
+    grpo.rollout_step = recording
+    try:
+        original_create = service.create_full_training_client
+
+        def create(*args: Any, **kwargs: Any) -> Any:
+            client = original_create(*args, **kwargs)
+            client.before_update = hold_update
+            return client
+
+        service.create_full_training_client = create  # type: ignore[method-assign]
+        history = train(toy_args(toy_model, tmp_path / "run", steps=5, batch_size=3,
+                                 group_size=4, max_staleness=1, dynamic_sampling=False,
+                                 loss="importance_sampling"), service)
+    finally:
+        grpo.rollout_step = real
+    assert [row["sampler_version"] for row in history] == [0, 0, 1, 2, 3]
+    assert [row["staleness"] for row in history] == [0, 1, 1, 1, 1]
+    trained = [row for row in history if row["datums"]]
+    # stale data trains importance_sampling truncated (reported as cispo's clip fraction)
+    assert trained and all(row["loss"] is not None for row in trained)
+
+
+class FakeTraining:
+    """Weights as a counter: a sampler is the version it was taken at."""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def save_weights_and_get_sampling_client(self) -> Any:
+        return self.version
+
+
+class FakeRun:
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.steps = start, steps
+        self.training = FakeTraining()
+        self.service = object()
+
+
+@pytest.mark.parametrize(("staleness", "start"), [(0, 0), (1, 0), (2, 0), (2, 3)])
+def test_each_step_samples_on_the_newest_weights_its_bound_allows(
+    staleness: int, start: int
+) -> None:
+    run = FakeRun(start, start + 6)
+    run.training.version = start
+    with RolloutPipeline(run, lambda step, sampler: (step, sampler), staleness) as rollouts:
+        for step in range(start, start + 6):
+            sampled = rollouts.take(step)
+            assert sampled.batch == (step, sampled.version)
+            assert sampled.version == max(start, step - staleness)
+            assert 0 <= sampled.staleness <= staleness
+            run.training.version += 1  # the update
+            rollouts.publish(run.training.version)
+
+
+def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
+    def collect(step: int, sampler: Any) -> int:
+        if step == 2:
+            raise ValueError("the env broke")
+        return step
+
+    run = FakeRun(0, 5)
+    with RolloutPipeline(run, collect, 1) as rollouts:
+        assert rollouts.take(0).batch == 0
+        run.training.version = 1
+        rollouts.publish(1)
+        assert rollouts.take(1).batch == 1
+        run.training.version = 2
+        rollouts.publish(2)
+        with pytest.raises(RuntimeError, match="rollout worker failed") as raised:
+            rollouts.take(2)
+        assert isinstance(raised.value.__cause__, ValueError)
+    assert rollouts._worker is not None
+    rollouts._worker.join(timeout=10)
+    assert not rollouts._worker.is_alive()
+
+
+def test_leaving_early_stops_the_worker_and_gives_the_threads_back() -> None:
+    threads = torch.get_num_threads()
+    run = FakeRun(0, 10)
+    with RolloutPipeline(run, lambda step, sampler: step, 1) as rollouts:
+        rollouts.take(0)  # then leave without publishing: the worker waits for version 1
+    assert rollouts._worker is not None
+    rollouts._worker.join(timeout=10)
+    assert not rollouts._worker.is_alive()
+    assert torch.get_num_threads() == threads
+
+
+def test_staleness_options_are_checked() -> None:
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--max-staleness", "-1"])
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--max-staleness", "1", "--max-importance-weight", "0.5"])
+    with pytest.raises(ValueError, match="not be negative"):
+        RolloutPipeline(FakeRun(0, 1), lambda step, sampler: step, -1)  # type: ignore[arg-type]
