@@ -152,8 +152,13 @@ PRESETS: dict[str, dict[str, dict[str, object]]] = {
 
 
 def trainer_presets(args_type: type[RunArgs]) -> dict[str, dict[str, object]]:
-    """The presets of the trainer whose ``Args`` this is (``trainers.NAME``: ``PRESETS[NAME]``)."""
-    return PRESETS.get(args_type.__module__.rpartition(".")[2], {})
+    """The presets of the trainer whose ``Args`` this is (``trainers.NAME``: ``PRESETS[NAME]``;
+    under ``python -m agent_gym_train.NAME`` its module is ``__main__``: its spec names it)."""
+    module = args_type.__module__
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else module
+    return PRESETS.get(module.rpartition(".")[2], {})
 
 
 def with_preset(args_type: type[A], preset: str, **given: Any) -> A:

@@ -31,6 +31,12 @@ The objective (``agent_gym_train.losses``), and why each option exists:
 * ``--loss-aggregation token-mean`` (pytrio's built-in; DAPO's token-level loss: long
   replies get their full weight) | ``sequence-mean`` (GRPO's original: each episode weighs
   the same; via ``forward_backward_custom``).
+* ``--max-staleness N`` (default 0): the rollouts of the next steps run while the learner
+  trains, on weights at most N updates old (``agent_gym_train.pipeline``), so neither the
+  sampler nor the learner waits for the other; 0 is the synchronous loop. Each metrics
+  line says which weights sampled its data (``sampler_version``, ``staleness``). The loss's
+  ratio to the sampler's logprobs is the off-policy correction; ``importance_sampling``
+  trains truncated at ``--max-importance-weight`` (``Objective.truncated``).
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ from agent_gym_train.args import parse_args as parse_run_args
 from agent_gym_train.clients import Sampler, ServiceClient
 from agent_gym_train.episode import Episode, build_datum
 from agent_gym_train.options import option
-from agent_gym_train.pipeline import RolloutPipeline
+from agent_gym_train.pipeline import (
+    RolloutPipeline,
+    max_importance_weight_option,
+    max_staleness_option,
+    staleness_problems,
+)
 from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
 from agent_gym_train.run import device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics
@@ -72,12 +83,8 @@ class Args(RunArgs):
         "learning signal (rewards not all equal)")
     max_refill_groups: int = option(
         8, "with --dynamic-sampling: extra groups a step may roll out at most")
-    max_staleness: int = option(
-        0, "sample the next steps' rollouts while the learner trains, on weights at most N "
-        "updates old (0: wait for each update, the synchronous loop)")
-    max_importance_weight: float = option(
-        2.0, "with --max-staleness: the largest importance weight of a token under "
-        "--loss importance_sampling (truncated importance sampling)")
+    max_staleness: int = max_staleness_option()
+    max_importance_weight: float = max_importance_weight_option()
     history_window: int | None = option(
         None, "show the policy the task and only the last N turns, as `agent-gym eval "
         "--history-window N` does (each cut restarts the token-continuous prompt)")
@@ -92,10 +99,7 @@ class Args(RunArgs):
                   else []),
                 *(["--max-refill-groups must not be negative"] if self.max_refill_groups < 0
                   else []),
-                *(["--max-staleness must not be negative"] if self.max_staleness < 0
-                  else []),
-                *(["--max-importance-weight must be at least 1"]
-                  if not 1 <= self.max_importance_weight < float("inf") else []),
+                *staleness_problems(self.max_staleness, self.max_importance_weight),
                 *(["--history-window must be positive"]
                   if self.history_window is not None and self.history_window < 1 else [])]
 

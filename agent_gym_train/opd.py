@@ -39,6 +39,9 @@ Teachers (``--teacher``):
 * ``local:MODEL[@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``: any sampler, e.g. an SFT
   checkpoint; ``--privileged`` adds the same information to its context too.
 
+``--max-staleness N`` runs the student's rollouts, the teacher's scores and labels of the
+next steps while the learner trains, as in GRPO (``agent_gym_train.pipeline``).
+
 The teacher must share the student's tokenizer (it scores the student's token ids); that is
 checked before any rollout and refused with ``TokenizerMismatchError``. Everything that is
 not OPD (arguments every trainer takes, the training client, the env pool, the update,
@@ -65,6 +68,12 @@ from agent_gym_train.backends import BACKENDS, make_service
 from agent_gym_train.clients import Sampler, ServiceClient
 from agent_gym_train.episode import Episode, TokenSequence, build_datum, cross_entropy_datum
 from agent_gym_train.options import option
+from agent_gym_train.pipeline import (
+    RolloutPipeline,
+    max_importance_weight_option,
+    max_staleness_option,
+    staleness_problems,
+)
 from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
 from agent_gym_train.run import Run, device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics, RunConfigError, checkpoint_path
@@ -101,6 +110,8 @@ class Args(RunArgs):
     steps: int = option(20, "training steps of the whole run")
     group_size: int = option(2, "student episodes per task (the reward is centred in it)")
     learning_rate: float = option(1e-4, "Adam learning rate")
+    max_staleness: int = max_staleness_option()
+    max_importance_weight: float = max_importance_weight_option()
 
     IDENTITY: ClassVar[tuple[str, ...]] = (*RunArgs.IDENTITY, "teacher")
 
@@ -116,7 +127,8 @@ class Args(RunArgs):
             (min(self.steps, self.group_size) < 1, "--steps and --group-size must be positive"),
             (self.teacher_labels < 0, "--teacher-labels must be >= 0"),
         ]
-        return [*super().problems(), *(message for failed, message in checks if failed)]
+        return [*super().problems(), *(message for failed, message in checks if failed),
+                *staleness_problems(self.max_staleness, self.max_importance_weight)]
 
     def branches_per_task(self) -> int:
         return self.group_size
@@ -278,6 +290,19 @@ async def teacher_labels(
 
 
 # --------------------------------------------------------------------- training
+@dataclass
+class Collected:
+    """What the sampling side of a step produced: the student's episodes that score, the
+    teacher's logprobs of their tokens and its labels, and their times."""
+
+    groups: list[list[Episode]]
+    scored: list[tuple[Episode, int, float]]  # episode, teacher offset, reward advantage
+    teacher_logprobs: list[list[float | None]]
+    labels: list[TokenSequence | None]
+    time_teacher: float
+    time_labels: float
+
+
 def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     """Run (or continue) OPD; returns this invocation's per-step metrics."""
     history: list[Metrics] = []
@@ -288,10 +313,11 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         check_tokenizers(run.training.get_tokenizer(), teacher.get_tokenizer())
         openings: dict[int, tuple[list[int], list[int]]] = {}
         config = run_rollout_config(run, args.group_size)
-        for step in run.progress():
-            t0 = time.perf_counter()
-            # ---- the student samples on its current weights
-            sampler = run.training.save_weights_and_get_sampling_client()
+        objective = (run.objective.truncated(args.max_importance_weight)
+                     if args.max_staleness else run.objective)
+
+        def collect(step: int, sampler: Sampler) -> Collected:
+            # ---- the student samples (on weights at most --max-staleness updates old)
             tasks = run.tasks(run.rng(step), args.batch_size)
             groups = rollout_step(run, step, sampler, tasks, config)
             t1 = time.perf_counter()
@@ -326,47 +352,62 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 labels = asyncio.run(teacher_labels(
                     teacher, states, run.renderer.stop_tokens, config.max_tokens,
                     run.renderer.is_finished))
-            supervised = [cross_entropy_datum(label, args.teacher_labels)
-                          for label in labels if label is not None]
-            t3 = time.perf_counter()
+            return Collected(groups, scored, teacher_logprobs, labels, t2 - t1,
+                             time.perf_counter() - t2)
 
-            # ---- per-token advantages, one update
-            datums: list[Datum] = []
-            gaps: list[np.ndarray] = []
-            for (episode, offset, reward_advantage), logprobs in zip(
-                scored, teacher_logprobs, strict=True
-            ):
-                datum, gap = distillation_datum(episode.sequence, logprobs, args.kl_coef,
-                                                offset=offset, reward_advantage=reward_advantage)
-                datums.append(datum)
-                gaps.append(gap)
-            trained = run.update(datums, supervised)
-            t4 = time.perf_counter()
+        with RolloutPipeline(run, collect, args.max_staleness) as rollouts:
+            for step in run.progress():
+                t0 = time.perf_counter()
+                sampled = rollouts.take(step)
+                got = sampled.batch
+                t1 = time.perf_counter()
 
-            # ---- metrics, then checkpoint
-            episodes = [episode for episode, _, _ in scored]
-            kl = np.concatenate(gaps) if gaps else np.zeros(0)
-            student = np.array([lp for e in episodes for s in e.sequence.spans
-                                for lp in s.logprobs])
-            measured = kl.size > 0
-            row: Metrics = {
-                "step": step, **rollout_metrics(episodes),
-                "reverse_kl_mean": float(kl.mean()) if measured else None,
-                "reverse_kl_std": float(kl.std()) if measured else None,
-                # the same tokens: teacher logprob = student logprob - gap, token by token
-                "student_logprob_mean": float(student.mean()) if measured else None,
-                "teacher_logprob_mean": float(student.mean() - kl.mean()) if measured else None,
-                "completion_tokens_per_s": kl.size / (t1 - t0),
-                **trained,
-                **({"teacher_labels": len(labels),
-                    "teacher_labels_cut": sum(label is None for label in labels)}
-                   if args.teacher_labels else {}),
-                "time_rollout": t1 - t0, "time_teacher": t2 - t1, "time_labels": t3 - t2,
-                "time_train": t4 - t3,
-                "time_step": time.perf_counter() - t0,
-            }
-            run.finish(step, row, shown={"kl": round(float(row["reverse_kl_mean"] or 0.0), 3)})
-            history.append(row)
+                # ---- per-token advantages, one update; then the sampler on the new weights
+                supervised = [cross_entropy_datum(label, args.teacher_labels)
+                              for label in got.labels if label is not None]
+                datums: list[Datum] = []
+                gaps: list[np.ndarray] = []
+                for (episode, offset, reward_advantage), logprobs in zip(
+                    got.scored, got.teacher_logprobs, strict=True
+                ):
+                    datum, gap = distillation_datum(episode.sequence, logprobs, args.kl_coef,
+                                                    offset=offset,
+                                                    reward_advantage=reward_advantage)
+                    datums.append(datum)
+                    gaps.append(gap)
+                trained = run.update(datums, supervised, objective=objective)
+                rollouts.publish(step + 1)
+                t2 = time.perf_counter()
+
+                # ---- metrics, then checkpoint
+                episodes = [episode for episode, _, _ in got.scored]
+                kl = np.concatenate(gaps) if gaps else np.zeros(0)
+                student = np.array([lp for e in episodes for s in e.sequence.spans
+                                    for lp in s.logprobs])
+                measured = kl.size > 0
+                rollout_time = sampled.time_rollout - got.time_teacher - got.time_labels
+                row: Metrics = {
+                    "step": step, **rollout_metrics(episodes),
+                    "reverse_kl_mean": float(kl.mean()) if measured else None,
+                    "reverse_kl_std": float(kl.std()) if measured else None,
+                    # the same tokens: teacher logprob = student logprob - gap, token by token
+                    "student_logprob_mean": float(student.mean()) if measured else None,
+                    "teacher_logprob_mean": (float(student.mean() - kl.mean()) if measured
+                                             else None),
+                    "completion_tokens_per_s": kl.size / (sampled.time_sampler + rollout_time),
+                    **trained,
+                    **({"teacher_labels": len(got.labels),
+                        "teacher_labels_cut": sum(label is None for label in got.labels)}
+                       if args.teacher_labels else {}),
+                    "sampler_version": sampled.version, "staleness": sampled.staleness,
+                    "time_rollout": sampled.time_sampler + rollout_time,
+                    "time_teacher": got.time_teacher, "time_labels": got.time_labels,
+                    "time_waiting": t1 - t0, "time_train": t2 - t1,
+                    "time_step": time.perf_counter() - t0,
+                }
+                run.finish(step, row,
+                           shown={"kl": round(float(row["reverse_kl_mean"] or 0.0), 3)})
+                history.append(row)
     return history
 
 

@@ -39,10 +39,30 @@ import torch
 
 from agent_gym_train.backends.runtime import apply_threads
 from agent_gym_train.clients import Sampler
+from agent_gym_train.options import option
 from agent_gym_train.run import Run
 
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 0.0005  # how soon a thread computing in Python hands the GIL over
+
+
+def max_staleness_option() -> int:
+    """``--max-staleness``, for the ``Args`` of a trainer whose loop takes a pipeline."""
+    return option(0, "sample the next steps' rollouts while the learner trains, on weights at "
+                     "most N updates old (0: wait for each update, the synchronous loop)")
+
+
+def max_importance_weight_option() -> float:
+    """``--max-importance-weight``: the bound of ``Objective.truncated``."""
+    return option(2.0, "with --max-staleness: the largest importance weight of a token under "
+                       "--loss importance_sampling (truncated importance sampling)")
+
+
+def staleness_problems(max_staleness: int, max_importance_weight: float) -> list[str]:
+    """What is wrong with those two options (empty: nothing)."""
+    return [*(["--max-staleness must not be negative"] if max_staleness < 0 else []),
+            *(["--max-importance-weight must be at least 1"]
+              if not 1 <= max_importance_weight < float("inf") else [])]
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,20 @@ def test_privileged_self_distillation_step_on_a_real_env(tmp_path: Path) -> None
     assert saved["step"] == 2
 
 
+def test_opd_samples_one_version_behind_with_max_staleness(tmp_path: Path) -> None:
+    """With --max-staleness 1 the student samples step t+1 (and the teacher scores it)
+    while step t trains: every step after the first trains data one update old."""
+    args = Args(model="tiny", lora_rank=0, steps=3, batch_size=2, group_size=2, max_tokens=6,
+                teacher_labels=0.5, max_staleness=1, out=str(tmp_path / "run"),
+                progress=False)
+    rows = train(args)
+    assert [row["sampler_version"] for row in rows] == [0, 0, 1]
+    assert [row["staleness"] for row in rows] == [0, 1, 1]
+    for row in rows:
+        assert row["episodes"] == 4 and row["trained_tokens"] == row["sampled_tokens"] > 0
+        assert np.isfinite([row["reverse_kl_mean"], row["grad_norm"]]).all()
+
+
 def test_teacher_labels_train_in_the_same_step_as_the_distillation(tmp_path: Path) -> None:
     """With --teacher-labels the teacher answers at each of the student's replies; a
     cut answer (the tiny model never stops in 6 tokens) is counted and not trained."""

@@ -279,6 +279,22 @@ def test_a_preset_fills_only_the_options_the_command_line_leaves_out() -> None:
         with_preset(sft.Args, "gpu-huge")
 
 
+@pytest.mark.parametrize("trainer", ["grpo", "opd"])
+def test_a_preset_is_known_when_the_trainer_runs_as_a_module(trainer: str) -> None:
+    """``python -m agent_gym_train.grpo --preset cpu-demo``: there the ``Args`` class lives
+    in ``__main__``, and its presets must still be found (the error is the next option's)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", f"agent_gym_train.{trainer}", "--preset", "cpu-demo",
+         "--max-staleness", "-1"], capture_output=True, text=True, cwd=root, timeout=120)
+    assert done.returncode == 2
+    assert "--max-staleness must not be negative" in done.stderr
+    assert "--preset" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
 def test_a_supervised_batch_adds_its_gradient_to_the_same_update(
     model: str, tmp_path: Path
 ) -> None:
