@@ -6,6 +6,7 @@ a run opens: its last checkpoint's, or a fresh one.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -39,6 +40,14 @@ class Sampler(Protocol):
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]: ...
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+
+@dataclass(frozen=True)
+class VersionedSampler:
+    """A sampler and the version of the weights it samples (updates applied to them)."""
+
+    sampler: Sampler
+    version: int
 
 
 class TrainingClient(Protocol):

@@ -25,6 +25,7 @@ normalised by their own share.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -238,6 +239,19 @@ def active_tokens(datums: Sequence[Datum]) -> int:
     )
 
 
+def datums_digest(datums: Sequence[Datum]) -> str:
+    """A fingerprint of what a step trains: every datum's tokens, targets and advantages,
+    in order (16 hex chars of SHA-256). The sampler's logprobs are left out: they carry
+    float noise from how rows were batched. Two runs whose steps have the same digests
+    trained on the same episodes with the same advantages."""
+    hashed = hashlib.sha256()
+    for datum in datums:
+        inputs = datum.loss_fn_inputs
+        hashed.update(json.dumps([datum.model_input.to_ints(), inputs["target_tokens"].data,
+                                  inputs["advantages"].data]).encode())
+    return hashed.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """A point inside an episode to continue branches from: the one resume type of the
@@ -344,6 +358,7 @@ class Episode:
     start: ResumePoint | None = None
     earlier: tuple[TokenSequence, ...] = ()
     cut_replies: int = 0
+    version: int | None = None  # the weights that sampled it, when the run counts versions
 
     @property
     def sequences(self) -> tuple[TokenSequence, ...]:

@@ -53,8 +53,8 @@ from pytrio import Datum
 
 from agent_gym_train.args import OUT_HELP, RunArgs
 from agent_gym_train.args import parse_args as parse_run_args
-from agent_gym_train.clients import Sampler, ServiceClient
-from agent_gym_train.episode import Episode, build_datum
+from agent_gym_train.clients import ServiceClient, VersionedSampler
+from agent_gym_train.episode import Episode, build_datum, datums_digest
 from agent_gym_train.options import option
 from agent_gym_train.pipeline import (
     RolloutPipeline,
@@ -62,7 +62,12 @@ from agent_gym_train.pipeline import (
     max_staleness_option,
     staleness_problems,
 )
-from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
+from agent_gym_train.rollout import (
+    rollout_metrics,
+    rollout_step,
+    run_rollout_config,
+    versions,
+)
 from agent_gym_train.run import device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics
 
@@ -120,10 +125,10 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         objective = (run.objective.truncated(args.max_importance_weight)
                      if args.max_staleness else run.objective)
 
-        def collect(step: int, sampler: Sampler) -> tuple[list[list[Episode]], int]:
+        def collect(step: int, policy: VersionedSampler) -> tuple[list[list[Episode]], int]:
             """The step's groups: batch_size tasks x group_size branches, and the refills."""
             rng = run.rng(step)
-            groups = rollout_step(run, step, sampler, run.tasks(rng, args.batch_size), config)
+            groups = rollout_step(run, step, policy, run.tasks(rng, args.batch_size), config)
             # ---- dynamic sampling: refill the degenerate groups (rewards all equal) with
             #      more tasks, up to max_refill_groups extra groups
             refills = 0
@@ -132,7 +137,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 if missing <= 0:
                     break
                 more = min(missing, args.max_refill_groups - refills)
-                groups += rollout_step(run, step, sampler, run.tasks(rng, more), config,
+                groups += rollout_step(run, step, policy, run.tasks(rng, more), config,
                                        purpose=f"refill-{refills}")
                 refills += more
             return groups, refills
@@ -166,11 +171,12 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
 
                 # ---- metrics, then checkpoint (so a step counted done always has its line)
                 skipped = sum(degenerate(g) for g in groups)
-                row = {"step": step, **rollout_metrics([e for g in groups for e in g]),
+                episodes = [e for g in groups for e in g]
+                row = {"step": step, **rollout_metrics(episodes),
                        "groups": len(groups), "degenerate_groups": skipped,
                        "degenerate_rate": skipped / len(groups), "refill_groups": refills,
-                       **trained, "sampler_version": sampled.version,
-                       "staleness": sampled.staleness,
+                       **trained, "datums_digest": datums_digest(datums),
+                       **versions(step, episodes, run),
                        "time_sampler": sampled.time_sampler,
                        "time_rollout": sampled.time_rollout,
                        "time_waiting": t1 - t0, "time_train": t2 - t1,

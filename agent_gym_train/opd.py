@@ -65,7 +65,7 @@ from pytrio.types import TensorData
 from agent_gym_train.args import OUT_HELP, RunArgs
 from agent_gym_train.args import parse_args as parse_run_args
 from agent_gym_train.backends import BACKENDS, make_service
-from agent_gym_train.clients import Sampler, ServiceClient
+from agent_gym_train.clients import Sampler, ServiceClient, VersionedSampler
 from agent_gym_train.episode import Episode, TokenSequence, build_datum, cross_entropy_datum
 from agent_gym_train.options import option
 from agent_gym_train.pipeline import (
@@ -74,7 +74,7 @@ from agent_gym_train.pipeline import (
     max_staleness_option,
     staleness_problems,
 )
-from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config
+from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config, versions
 from agent_gym_train.run import Run, device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics, RunConfigError, checkpoint_path
 
@@ -316,10 +316,10 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         objective = (run.objective.truncated(args.max_importance_weight)
                      if args.max_staleness else run.objective)
 
-        def collect(step: int, sampler: Sampler) -> Collected:
+        def collect(step: int, policy: VersionedSampler) -> Collected:
             # ---- the student samples (on weights at most --max-staleness updates old)
             tasks = run.tasks(run.rng(step), args.batch_size)
-            groups = rollout_step(run, step, sampler, tasks, config)
+            groups = rollout_step(run, step, policy, tasks, config)
             t1 = time.perf_counter()
 
             # ---- the teacher scores the student's tokens: one call per episode, on the
@@ -399,7 +399,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                     **({"teacher_labels": len(got.labels),
                         "teacher_labels_cut": sum(label is None for label in got.labels)}
                        if args.teacher_labels else {}),
-                    "sampler_version": sampled.version, "staleness": sampled.staleness,
+                    **versions(step, [e for g in got.groups for e in g], run),
                     "time_rollout": sampled.time_sampler + rollout_time,
                     "time_teacher": got.time_teacher, "time_labels": got.time_labels,
                     "time_waiting": t1 - t0, "time_train": t2 - t1,

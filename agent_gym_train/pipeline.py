@@ -7,9 +7,12 @@ steps run, in a worker thread, while the learner trains the current one:
 
 * the weights have a **version**, the number of updates applied (``run.start`` when the
   run opens: a continued run's first sampler is its checkpoint's weights);
-* the rollouts of step ``t`` are sampled on version ``max(run.start, t - max_staleness)``,
-  so the data an update trains on is at most ``max_staleness`` versions behind the weights
-  it updates, and the worker never runs further ahead than that;
+* the rollouts of step ``t`` are sampled on version ``max(0, t - max_staleness)``, so the
+  data an update trains on is at most ``max_staleness`` versions behind the weights it
+  updates, and the worker never runs further ahead than that; a continued run loads those
+  older weights from the checkpoints that hold them (``Checkpoint.earlier``), so it samples
+  what a run never stopped would have, and the run's journal (``agent_gym_train.journal``)
+  continues the rollouts that were in flight;
 * after each update the trainer calls ``publish``, which takes a sampler on the new weights
   (on the learner's thread: the weights are not changing then) when a later step needs it.
 
@@ -38,9 +41,10 @@ from typing import Generic, TypeVar
 import torch
 
 from agent_gym_train.backends.runtime import apply_threads
-from agent_gym_train.clients import Sampler
+from agent_gym_train.clients import Sampler, VersionedSampler
 from agent_gym_train.options import option
 from agent_gym_train.run import Run
+from agent_gym_train.runfiles import checkpoint_path
 
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 0.0005  # how soon a thread computing in Python hands the GIL over
@@ -76,11 +80,6 @@ class Sampled(Generic[T]):
     time_rollout: float  # collect's own time
     time_waited: float  # how long the learner waited for it
 
-    @property
-    def staleness(self) -> int:
-        """Versions between the weights that sampled the batch and those it updates."""
-        return self.step - self.version
-
 
 class RolloutPipeline(Generic[T]):
     """Steps ``run.start .. run.steps - 1`` of rollouts, produced by ``collect(step,
@@ -88,7 +87,7 @@ class RolloutPipeline(Generic[T]):
     manager: leaving it stops the worker (a rollout in progress is abandoned)."""
 
     def __init__(
-        self, run: Run, collect: Callable[[int, Sampler], T], max_staleness: int
+        self, run: Run, collect: Callable[[int, VersionedSampler], T], max_staleness: int
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must not be negative, got {max_staleness}")
@@ -102,15 +101,30 @@ class RolloutPipeline(Generic[T]):
         self._changed = threading.Condition()
         self._worker: threading.Thread | None = None
         self._restore: tuple[int, float] | None = None
+        self._earlier: set[int] = set()  # versions before run.start, loaded from checkpoints
         if max_staleness:
             self._share_cores()
+            saved = run.checkpoints()
+            for version in sorted({max(0, t - max_staleness)
+                                   for t in range(run.start, run.steps)}):
+                if version >= run.start:
+                    break
+                if version in saved or version == 0:
+                    t0 = time.perf_counter()
+                    sampler = run.service.create_sampling_client(
+                        run.args.model, saved.get(version) or self._initial_weights())
+                    self._samplers[version] = (sampler, time.perf_counter() - t0)
+                    self._earlier.add(version)
             self._publish_now(run.start)
             self._worker = threading.Thread(target=self._produce, name="rollouts", daemon=True)
             self._worker.start()
 
     def version_for(self, step: int) -> int:
-        """The weight version step ``step``'s rollouts are sampled on."""
-        return max(self.run.start, step - self.max_staleness)
+        """The weight version step ``step``'s rollouts are sampled on: ``max_staleness``
+        updates old, as in a run never stopped, unless the run continues and those older
+        weights are in no checkpoint; then the checkpoint's."""
+        wanted = max(0, step - self.max_staleness)
+        return wanted if wanted >= self.run.start or wanted in self._earlier else self.run.start
 
     def take(self, step: int) -> Sampled[T]:
         """Step ``step``'s rollouts; waits for the worker if they are not done yet."""
@@ -118,7 +132,7 @@ class RolloutPipeline(Generic[T]):
             t0 = time.perf_counter()
             sampler = self.run.training.save_weights_and_get_sampling_client()
             t1 = time.perf_counter()
-            batch = self.collect(step, sampler)
+            batch = self.collect(step, VersionedSampler(sampler, step))
             return Sampled(step, step, batch, t1 - t0, time.perf_counter() - t1, 0.0)
         t0 = time.perf_counter()
         with self._changed:
@@ -166,6 +180,12 @@ class RolloutPipeline(Generic[T]):
             self._samplers[version] = (sampler, time.perf_counter() - t0)
             self._changed.notify_all()
 
+    def _initial_weights(self) -> str | None:
+        """Where version 0 lives: ``--init-from``'s checkpoint, else the base model (a
+        fresh LoRA adapter adds nothing: its second matrix starts at zero)."""
+        start = self.run.args.init_from
+        return checkpoint_path(start) if start is not None else None
+
     def _produce(self) -> None:
         try:
             for step in range(self.run.start, self.run.steps):
@@ -179,7 +199,7 @@ class RolloutPipeline(Generic[T]):
                     for old in [v for v in self._samplers if v < version]:
                         del self._samplers[old]  # no later step samples on older weights
                 t0 = time.perf_counter()
-                batch = self.collect(step, sampler)
+                batch = self.collect(step, VersionedSampler(sampler, version))
                 done = Sampled(step, version, batch, copy_time, time.perf_counter() - t0, 0.0)
                 del sampler
                 with self._changed:

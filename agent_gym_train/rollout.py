@@ -50,9 +50,10 @@ from pytrio.types import SampleSequence
 
 from agent_gym.render import ChatRenderer, Conversation
 from agent_gym.seeding import derive_seed
-from agent_gym_train.clients import Sampler
+from agent_gym_train.clients import Sampler, VersionedSampler
 from agent_gym_train.envpool import EnvFactory
 from agent_gym_train.episode import Episode, ResumePoint, TokenSequence
+from agent_gym_train.journal import BranchRecord, GroupJournal
 from agent_gym_train.run import Run
 from agent_gym_train.runfiles import Metrics
 
@@ -100,6 +101,7 @@ class _Group:
     seed: int
     opening: Mapping[str, Any]  # the reset info: task id, opening chat, privileged info
     start: ResumePoint | None
+    journal: GroupJournal | None = None
 
 
 @dataclass
@@ -129,27 +131,37 @@ async def rollout_group(
     config: RolloutConfig,
     *,
     seed: int = 0,
+    journal: GroupJournal | None = None,
 ) -> list[Episode]:
     """Roll out ``config.group_size`` branches of one task (reset with ``start``'s options)
-    or from a resume point."""
+    or from a resume point. With a ``journal`` every branch is recorded at each turn
+    boundary, and what the journal holds of this group is continued, not sampled again
+    (``agent_gym_train.journal``)."""
     resume = start if isinstance(start, ResumePoint) else None
+    if resume is not None and journal is not None:
+        raise ValueError("a group resumed from a resume point is not journaled")
+    journaled = journal.take(config.group_size) if journal is not None else {}
+    done = {i: r.episode for i, r in journaled.items() if r.episode is not None}
+    if len(done) == config.group_size:
+        return [done[i] for i in range(config.group_size)]
+    live = [i for i in range(config.group_size) if i not in done]
     options = {"state": resume.state} if resume is not None else dict(start or {})
-    envs = await asyncio.gather(
-        *(asyncio.to_thread(make_env) for _ in range(config.group_size))
-    )
+    envs = dict(zip(live, await asyncio.gather(
+        *(asyncio.to_thread(make_env) for _ in live)), strict=True))
     try:
-        openings = await asyncio.gather(
-            *(asyncio.to_thread(env.reset, seed=seed, options=dict(options)) for env in envs)
-        )
-        info = openings[0][1]
-        for _, other in openings[1:]:
+        openings = dict(zip(live, await asyncio.gather(*(
+            asyncio.to_thread(env.reset, seed=seed, options=(
+                {"state": journaled[i].state} if i in journaled else dict(options)))
+            for i, env in envs.items())), strict=True))
+        info = openings[live[0]][1]
+        for _, other in openings.values():
             if (other["task_id"], other["messages"]) != (info["task_id"], info["messages"]):
                 raise RolloutError("branches of one group opened with different tasks or chats")
         if resume is None:
             root = Conversation.start(renderer, info["messages"], info.get("tools"))
             prefix = TokenSequence(tuple(root.tokens))
         else:
-            for index, (observation, restored) in enumerate(openings):
+            for index, (observation, restored) in openings.items():
                 _check_restored(index, observation, restored, resume)
             root = Conversation(
                 renderer, [dict(m) for m in info["messages"]],
@@ -157,26 +169,35 @@ async def rollout_group(
                 [dict(m) for m in resume.messages],
             )
             prefix = resume.sequence.as_context()  # trained on by the macro-step before
-        group = _Group(sampler, renderer, config, seed, info, resume)
-        branches = [_Branch(i, env, root.fork(), prefix) for i, env in enumerate(envs)]
+        group = _Group(sampler, renderer, config, seed, info, resume, journal)
+        fresh = [_Branch(i, envs[i], root.fork(), prefix) for i in live if i not in journaled]
+        restored = [_journaled_branch(i, envs[i], root, openings[i], journaled[i])
+                    for i in live if i in journaled]
         room = config.max_trajectory_tokens - len(root.tokens)
         if room < 1:
-            return [_finish(group, b, "trajectory_budget", penalty=config.cut_reward)
-                    for b in branches]
-        first = await sampler.sample_async(
-            ModelInput.from_ints(root.tokens),
-            num_samples=config.group_size,
-            sampling_params=_params(group, min(config.max_tokens, room), branch=0, turn=0),
-        )
-        if len(first.sequences) != config.group_size:
-            raise RolloutError(
-                f"asked for {config.group_size} samples, got {len(first.sequences)}"
+            ended = {b.index: _finish(group, b, "trajectory_budget", penalty=config.cut_reward)
+                     for b in fresh}
+            return [ended.get(i) or done[i] for i in range(config.group_size)]
+        firsts: list[SampleSequence] = []
+        if fresh:  # one call for every branch's first reply: each row's draw is its own
+            first = await sampler.sample_async(
+                ModelInput.from_ints(root.tokens),
+                num_samples=config.group_size,
+                sampling_params=_params(group, min(config.max_tokens, room), branch=0, turn=0),
             )
-        return list(await asyncio.gather(
-            *(_play(group, b, s) for b, s in zip(branches, first.sequences, strict=True))
-        ))
+            if len(first.sequences) != config.group_size:
+                raise RolloutError(
+                    f"asked for {config.group_size} samples, got {len(first.sequences)}"
+                )
+            firsts = [first.sequences[b.index] for b in fresh]
+        played = await asyncio.gather(
+            *(_play(group, b, s) for b, s in zip(fresh, firsts, strict=True)),
+            *(_continue(group, b) for b in restored),
+        )
+        ended = {b.index: e for b, e in zip([*fresh, *restored], played, strict=True)}
+        return [ended.get(i) or done[i] for i in range(config.group_size)]
     finally:
-        for env in envs:
+        for env in envs.values():
             env.close()
 
 
@@ -189,19 +210,23 @@ async def rollout_groups(
     *,
     seeds: Sequence[int],
     concurrency: int = 8,
+    journals: Sequence[GroupJournal] | None = None,
 ) -> list[list[Episode]]:
     """Several groups at once (at most ``concurrency`` in flight), in input order; each
-    entry of ``starts`` is a group's reset options or a ``ResumePoint``."""
-    if len(starts) != len(seeds):
-        raise ValueError("one seed per group is needed")
+    entry of ``starts`` is a group's reset options or a ``ResumePoint``, and of
+    ``journals`` (if given) its place in the run's journal."""
+    if len(starts) != len(seeds) or (journals is not None and len(journals) != len(starts)):
+        raise ValueError("one seed (and journal place, if any) per group is needed")
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(start: Start, seed: int) -> list[Episode]:
+    async def one(start: Start, seed: int, journal: GroupJournal | None) -> list[Episode]:
         async with gate:
-            return await rollout_group(make_env, start, sampler, renderer, config, seed=seed)
+            return await rollout_group(make_env, start, sampler, renderer, config, seed=seed,
+                                       journal=journal)
 
-    pairs = zip(starts, seeds, strict=True)
-    return list(await asyncio.gather(*(one(start, seed) for start, seed in pairs)))
+    places = journals if journals is not None else [None] * len(starts)
+    triples = zip(starts, seeds, places, strict=True)
+    return list(await asyncio.gather(*(one(*triple) for triple in triples)))
 
 
 def run_rollout_config(
@@ -221,15 +246,18 @@ def run_rollout_config(
 
 
 def rollout_step(
-    run: Run, step: int, sampler: Sampler, starts: Sequence[Start], config: RolloutConfig,
-    *, purpose: str = "group",
+    run: Run, step: int, policy: VersionedSampler, starts: Sequence[Start],
+    config: RolloutConfig, *, purpose: str = "group",
 ) -> list[list[Episode]]:
     """A step's groups on the run's env pool and renderer, group ``g`` seeded by
-    ``(step, purpose, g)`` so a continued run draws what an uninterrupted one would."""
+    ``(step, purpose, g)`` so a continued run draws what an uninterrupted one would, and
+    journaled turn by turn (``run.journal``) so a killed run continues them."""
     return asyncio.run(rollout_groups(
-        run.envs, starts, sampler, run.renderer, config,
+        run.envs, starts, policy.sampler, run.renderer, config,
         seeds=[run.seed(step, purpose, g) for g in range(len(starts))],
         concurrency=run.args.concurrency,
+        journals=[GroupJournal(run.journal, step, purpose, g, policy.version)
+                  for g in range(len(starts))],
     ))
 
 
@@ -248,6 +276,17 @@ def rollout_metrics(episodes: Sequence[Episode]) -> Metrics:
         "invalid_actions": sum(e.invalid_actions for e in episodes),
         "end_reasons": dict(ends),
     }
+
+
+def versions(step: int, episodes: Sequence[Episode], run: Run) -> Metrics:
+    """Which weights sampled a step's episodes (the oldest of them, and how many updates
+    behind the step that trains them), and what they took from the run's journal."""
+    oldest = min((e.version for e in episodes if e.version is not None), default=step)
+    taken = run.journal.resumed(step)
+    return {"sampler_version": oldest, "staleness": step - oldest,
+            "journal_reused_episodes": taken.reused_episodes,
+            "journal_resumed_branches": taken.resumed_branches,
+            "journal_dropped_branches": taken.dropped_branches}
 
 
 def _check_restored(
@@ -301,19 +340,68 @@ async def _play(group: _Group, branch: _Branch, sampled: SampleSequence) -> Epis
             if end == "max_turns" and config.keep_states:
                 episode.next_prompt = list(branch.conversation.append(reply, [answer]))
             return episode
-        prompt = branch.conversation.append(reply, [answer])
+        branch.conversation.append(reply, [answer])
         if _past_window(branch.conversation, config.history_window):
-            prompt = _cut(branch, config.history_window)
-        room = config.max_trajectory_tokens - len(prompt)
-        if room < 1:
-            return _finish(group, branch, "trajectory_budget")
-        response = await group.sampler.sample_async(
-            ModelInput.from_ints(prompt),
-            num_samples=1,
-            sampling_params=_params(group, min(config.max_tokens, room), branch=branch.index,
-                                    turn=branch.turns),
-        )
-        sampled = response.sequences[0]
+            _cut(branch, config.history_window)
+        if group.journal is not None:
+            group.journal.record(branch.index, _in_flight(group, branch))
+        next_reply = await _sample_next(group, branch)
+        if isinstance(next_reply, Episode):
+            return next_reply
+        sampled = next_reply
+
+
+async def _continue(group: _Group, branch: _Branch) -> Episode:
+    """Play a branch restored from the journal: its next turn, then on until an end."""
+    next_reply = await _sample_next(group, branch)
+    if isinstance(next_reply, Episode):
+        return next_reply
+    return await _play(group, branch, next_reply)
+
+
+async def _sample_next(group: _Group, branch: _Branch) -> SampleSequence | Episode:
+    """The branch's next reply on its current prompt, or its end when no room is left."""
+    prompt = branch.conversation.tokens
+    room = group.config.max_trajectory_tokens - len(prompt)
+    if room < 1:
+        return _finish(group, branch, "trajectory_budget")
+    response = await group.sampler.sample_async(
+        ModelInput.from_ints(prompt),
+        num_samples=1,
+        sampling_params=_params(group, min(group.config.max_tokens, room),
+                                branch=branch.index, turn=branch.turns),
+    )
+    return response.sequences[0]
+
+
+def _in_flight(group: _Group, branch: _Branch) -> BranchRecord:
+    """The branch at a turn boundary, as the journal keeps it."""
+    assert group.journal is not None
+    return BranchRecord(
+        group.journal.version, branch.env.unwrapped.save_state(),
+        list(branch.conversation.tokens), [dict(m) for m in branch.conversation.messages],
+        branch.sequence, list(branch.rewards), branch.invalid, branch.cut,
+        list(branch.earlier), [dict(m) for m in branch.dropped])
+
+
+def _journaled_branch(
+    index: int, env: gymnasium.Env, root: Conversation, opening: tuple[str, Mapping[str, Any]],
+    record: BranchRecord,
+) -> _Branch:
+    """A branch in flight, from its journal record and its env restored from the record's
+    state: the env must show the chat the journal holds (its observation included)."""
+    observation, info = opening
+    shown = [*info["messages"], *info.get("history", ())]
+    kept = [*record.messages[: len(root.opening)], *record.dropped,
+            *record.messages[len(root.opening):]]
+    if shown != kept or observation != str(record.messages[-1].get("content")):
+        raise RolloutError(f"branch {index} of {info['task_id']} restored from the journal "
+                           "shows another chat than the journal holds")
+    conversation = Conversation(root.renderer, root.opening, root.tools, list(record.tokens),
+                                [dict(m) for m in record.messages])
+    return _Branch(index, env, conversation, record.sequence, list(record.rewards),
+                   record.invalid, list(record.earlier), record.cut,
+                   [dict(m) for m in record.dropped])
 
 
 def _past_window(conversation: Conversation, window: int | None) -> bool:
@@ -324,16 +412,15 @@ def _past_window(conversation: Conversation, window: int | None) -> bool:
     return sum(m["role"] == "assistant" for m in shown) > window
 
 
-def _cut(branch: _Branch, window: int) -> list[int]:
+def _cut(branch: _Branch, window: int) -> None:
     """Apply the history window: close the branch's sequence and restart it from the
-    windowed prompt, which it returns."""
+    windowed prompt."""
     before = branch.conversation
     branch.conversation = before.windowed(window)
     kept = len(branch.conversation.messages) - len(before.opening)
     branch.dropped.extend(before.messages[len(before.opening): len(before.messages) - kept])
     branch.earlier.append(branch.sequence)
     branch.sequence = TokenSequence(())
-    return branch.conversation.tokens
 
 
 def _finish(
@@ -356,7 +443,7 @@ def _finish(
     if answer is not None:
         messages.append(dict(answer))
     keep = group.config.keep_states
-    return Episode(
+    episode = Episode(
         group.opening["task_id"], branch.sequence, sum(branch.rewards) + penalty, end_reason,
         messages, branch.invalid,
         step_rewards=list(branch.rewards),
@@ -366,7 +453,13 @@ def _finish(
         env_state=branch.env.unwrapped.save_state() if keep else None,
         start=group.start,
         earlier=tuple(branch.earlier),
+        version=group.journal.version if group.journal is not None else None,
     )
+    if group.journal is not None:
+        group.journal.record(branch.index, BranchRecord(
+            group.journal.version, None, [], [], branch.sequence, list(branch.rewards),
+            branch.invalid, branch.cut, episode=episode))
+    return episode
 
 
 def _params(group: _Group, max_tokens: int, *, branch: int, turn: int) -> SamplingParams:

@@ -35,6 +35,7 @@ from agent_gym_train.backends import make_service
 from agent_gym_train.clients import ServiceClient, TrainingClient, training_client
 from agent_gym_train.envpool import EnvPool, check_env, env_factory
 from agent_gym_train.episode import active_tokens
+from agent_gym_train.journal import JOURNAL_FILE, Journal, fingerprint
 from agent_gym_train.losses import Objective
 from agent_gym_train.runfiles import (
     CHECKPOINT_FILE,
@@ -96,6 +97,29 @@ class Run:
     objective: Objective
     idle_steps: int = 0  # steps in a row that trained nothing
     bar: tqdm | None = field(default=None, repr=False)
+    _journal: Journal | None = field(default=None, repr=False)
+    _checkpoints: dict[int, str] | None = field(default=None, repr=False)
+
+    def checkpoints(self) -> dict[int, str]:
+        """Backend paths of this run's latest checkpoints, by the step they complete (the
+        weights of that version): the last one, and those ``--max-staleness`` needs."""
+        if self._checkpoints is None:
+            self._checkpoints = ({**self.resumed.earlier, self.resumed.step: self.resumed.path}
+                                 if self.resumed is not None else {})
+        return self._checkpoints
+
+    @property
+    def journal(self) -> Journal:
+        """The run's journal of in-flight episodes (``agent_gym_train.journal``), opened
+        on first use: the trainers whose rollouts it keeps (``rollout_step``) use it."""
+        if self._journal is None:
+            self._journal = Journal(self.out / JOURNAL_FILE,
+                                    fingerprint(dataclasses.asdict(self.args)),
+                                    getattr(self.args, "max_staleness", 0))
+            if self._journal.discarded:
+                print(f"{self.out / JOURNAL_FILE} held {self._journal.discarded} branches of a "
+                      "run with other settings: discarded", file=sys.stderr)
+        return self._journal
 
     @property
     def start(self) -> int:
@@ -179,8 +203,13 @@ class Run:
         if store is not None:
             store_file = f"store-{done:06d}.json"
             write_text(self.out / store_file, store.to_json())
-        record = Checkpoint(done, path, dataclasses.asdict(self.args), store_file)
+        keep = getattr(self.args, "max_staleness", 0)  # weights rollouts may still be sampled on
+        earlier = {s: p for s, p in self.checkpoints().items() if done - keep <= s < done}
+        record = Checkpoint(done, path, dataclasses.asdict(self.args), store_file, earlier)
+        self._checkpoints = {**earlier, done: path}
         write_text(self.out / CHECKPOINT_FILE, json.dumps(record.to_dict(), indent=1))
+        if self._journal is not None:  # the checkpoint holds these steps' updates now
+            self._journal.forget_before(done)
         if store_file is not None:  # the previous checkpoint's store is named no more
             for old in self.out.glob("store-*.json"):
                 if old.name != store_file:
@@ -188,6 +217,8 @@ class Run:
 
     def close(self) -> None:
         self.envs.close()
+        if self._journal is not None:
+            self._journal.close()
 
     def __enter__(self) -> Run:
         return self

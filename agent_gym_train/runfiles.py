@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 CHECKPOINT_FILE = "checkpoint.json"
@@ -29,21 +29,27 @@ class RunConfigError(ValueError):
 @dataclass(frozen=True)
 class Checkpoint:
     """``checkpoint.json``: the step it completes, the backend's checkpoint path, the run's
-    arguments and (TEMPO) the store file saved with it."""
+    arguments, (TEMPO) the store file saved with it and, for a run whose rollouts may be
+    sampled on older weights (``--max-staleness``), the paths of the checkpoints of those
+    older weights by step, so a continued run samples on what an uninterrupted one did."""
 
     step: int
     path: str
     args: dict[str, object]
     store: str | None = None
+    earlier: dict[int, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         record: dict[str, object] = {"step": self.step, "path": self.path, "args": self.args}
-        return record | ({"store": self.store} if self.store is not None else {})
+        return (record | ({"store": self.store} if self.store is not None else {})
+                | ({"earlier": {str(k): v for k, v in self.earlier.items()}}
+                   if self.earlier else {}))
 
     @classmethod
     def read(cls, path: Path) -> Checkpoint:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        return cls(saved["step"], saved["path"], saved["args"], saved.get("store"))
+        earlier = {int(k): str(v) for k, v in dict(saved.get("earlier", {})).items()}
+        return cls(saved["step"], saved["path"], saved["args"], saved.get("store"), earlier)
 
 
 def write_text(path: Path, text: str) -> None:

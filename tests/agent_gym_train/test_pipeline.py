@@ -14,6 +14,7 @@ from pytrio import Datum
 
 from agent_gym_train import grpo
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
+from agent_gym_train.clients import VersionedSampler
 from agent_gym_train.episode import build_datum
 from agent_gym_train.grpo import degenerate, train
 from agent_gym_train.pipeline import RolloutPipeline
@@ -84,8 +85,8 @@ def synchronous_grpo(args: grpo.Args, service: RecordingService) -> None:
         config = run_rollout_config(run, args.group_size)
         for step in run.progress():
             sampler = run.training.save_weights_and_get_sampling_client()
-            groups = rollout_step(run, step, sampler, run.tasks(run.rng(step), args.batch_size),
-                                  config)
+            groups = rollout_step(run, step, VersionedSampler(sampler, step),
+                                  run.tasks(run.rng(step), args.batch_size), config)
             datums = []
             for group in groups:
                 if degenerate(group):
@@ -173,6 +174,9 @@ class FakeRun:
         self.training = FakeTraining()
         self.service = object()
 
+    def checkpoints(self) -> dict[int, str]:
+        return {}
+
 
 @pytest.mark.parametrize(("staleness", "start"), [(0, 0), (1, 0), (2, 0), (2, 3)])
 def test_each_step_samples_on_the_newest_weights_its_bound_allows(
@@ -180,18 +184,20 @@ def test_each_step_samples_on_the_newest_weights_its_bound_allows(
 ) -> None:
     run = FakeRun(start, start + 6)
     run.training.version = start
-    with RolloutPipeline(run, lambda step, sampler: (step, sampler), staleness) as rollouts:
+    with RolloutPipeline(run, lambda step, policy: (step, policy.sampler, policy.version),
+                         staleness) as rollouts:
         for step in range(start, start + 6):
             sampled = rollouts.take(step)
-            assert sampled.batch == (step, sampled.version)
+            # the sampler given is the weights of the version it is said to be
+            assert sampled.batch == (step, sampled.version, sampled.version)
             assert sampled.version == max(start, step - staleness)
-            assert 0 <= sampled.staleness <= staleness
+            assert 0 <= step - sampled.version <= staleness
             run.training.version += 1  # the update
             rollouts.publish(run.training.version)
 
 
 def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
-    def collect(step: int, sampler: Any) -> int:
+    def collect(step: int, policy: Any) -> int:
         if step == 2:
             raise ValueError("the env broke")
         return step
@@ -215,7 +221,7 @@ def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
 def test_leaving_early_stops_the_worker_and_gives_the_threads_back() -> None:
     threads = torch.get_num_threads()
     run = FakeRun(0, 10)
-    with RolloutPipeline(run, lambda step, sampler: step, 1) as rollouts:
+    with RolloutPipeline(run, lambda step, policy: step, 1) as rollouts:
         rollouts.take(0)  # then leave without publishing: the worker waits for version 1
     assert rollouts._worker is not None
     rollouts._worker.join(timeout=10)
@@ -229,4 +235,4 @@ def test_staleness_options_are_checked() -> None:
     with pytest.raises(SystemExit):
         grpo.parse_args(["--max-staleness", "1", "--max-importance-weight", "0.5"])
     with pytest.raises(ValueError, match="not be negative"):
-        RolloutPipeline(FakeRun(0, 1), lambda step, sampler: step, -1)  # type: ignore[arg-type]
+        RolloutPipeline(FakeRun(0, 1), lambda step, policy: step, -1)  # type: ignore[arg-type]

@@ -1,0 +1,126 @@
+"""The journal of in-flight episodes (agent_gym_train.journal): a run killed at any moment
+resumes its rollouts from their last turn, loses no episode and counts none twice."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from agent_gym.env.state import EnvState
+from agent_gym_train.episode import Episode, Span, TokenSequence
+from agent_gym_train.journal import BranchRecord, Journal, fingerprint
+from tests.agent_gym_train.test_grpo import toy_model  # noqa: F401 (a fixture)
+from tests.helpers import grpo_toy
+from tests.helpers.fork_runner import PHASES, ForkRunner
+
+
+def in_flight(version: int) -> BranchRecord:
+    state = EnvState("agent_gym_tests/SayDigit-v0", {}, "task-0", 0, ("7",), ("a" * 16,) * 2)
+    return BranchRecord(version, state, [1, 2, 3], [{"role": "user", "content": "3"}],
+                        TokenSequence((1, 2, 3), (Span(2, (-0.5,)),)), [0.0], 0, 0)
+
+
+def finished(version: int) -> BranchRecord:
+    episode = Episode("task-0", TokenSequence((1, 2, 3), (Span(2, (-0.5,)),)), 1.0,
+                      "terminated", [{"role": "assistant", "content": "3"}], version=version)
+    return BranchRecord(version, None, [], [], episode.sequence, [1.0], 0, 0, episode=episode)
+
+
+def test_a_group_is_taken_whole_or_dropped_and_counted(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.sqlite", {"seed": 0}, max_staleness=1)
+    # step 5: two branches finished on version 4 (one update old: usable)
+    for branch in (0, 1):
+        journal.record(5, "group", 0, branch, finished(4))
+    taken = journal.take(5, "group", 0, version=5, branches=2)
+    assert sorted(taken) == [0, 1] and all(r.episode is not None for r in taken.values())
+    # a finished group needs no weights; a group in flight must be on the weights given now
+    journal.record(5, "group", 1, 0, finished(5))
+    journal.record(5, "group", 1, 1, in_flight(5))
+    assert sorted(journal.take(5, "group", 1, version=5, branches=2)) == [0, 1]
+    journal.record(5, "group", 2, 0, in_flight(4))
+    assert journal.take(5, "group", 2, version=5, branches=2) == {}  # its weights are gone
+    # too stale for the bound: dropped, even finished
+    journal.record(7, "group", 0, 0, finished(5))
+    assert journal.take(7, "group", 0, version=6, branches=1) == {}
+    counts = journal.resumed(5)
+    assert (counts.reused_episodes, counts.resumed_branches, counts.dropped_branches) == (3, 1, 1)
+    assert journal.resumed(7).dropped_branches == 1
+    assert journal.take(5, "group", 2, version=5, branches=2) == {}  # dropped for good
+
+
+def test_an_unreadable_record_drops_its_group_and_is_counted(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.sqlite", {}, max_staleness=0)
+    journal.record(0, "group", 0, 0, in_flight(0))
+    journal.record(0, "group", 0, 1, in_flight(0))
+    journal.close()
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "j.sqlite") as db:
+        db.execute("UPDATE branches SET record = '{\"version\": NaN}' WHERE branch = 1")
+    journal = Journal(tmp_path / "j.sqlite", {}, max_staleness=0)
+    assert journal.take(0, "group", 0, version=0, branches=2) == {}
+    assert journal.resumed(0).dropped_branches == 2
+
+
+def test_a_journal_of_other_settings_is_discarded_on_opening(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 0, "out": "a"}))
+    journal.record(0, "group", 0, 0, in_flight(0))
+    journal.close()
+    same = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 0, "out": "b", "threads": 2}))
+    assert same.discarded == 0 and same.take(0, "group", 0, version=0, branches=1)
+    same.close()
+    other = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 1, "out": "a"}))
+    assert other.discarded == 1 and other.take(0, "group", 0, version=0, branches=1) == {}
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("staleness", [1, 0])
+def test_twenty_kills_at_random_moments_lose_no_episode_and_count_none_twice(
+    toy_model: str, tmp_path: Path, staleness: int  # noqa: F811
+) -> None:
+    """20 SIGKILLs, each at a random call of a random phase (a turn being journaled, a
+    sampling call, an optimizer step, checkpoint.json about to be written), each rerun into
+    the same directory; then once more to the end. Every step trained exactly the datums
+    of a run never killed (same digest of tokens, targets and advantages), and the
+    journal was used: branches continued mid-episode, finished episodes reused."""
+    steps = 20
+    argv = ["--env-id", grpo_toy.ENV_ID, "--model", toy_model, "--lora-rank", "0",
+            "--steps", str(steps), "--batch-size", "2", "--group-size", "4",
+            "--learning-rate", "1e-2", "--max-turns", "2", "--max-tokens", "8",
+            "--max-trajectory-tokens", "96", "--save-every", "1", "--no-progress",
+            "--max-staleness", str(staleness), "--concurrency", "1"]
+    rng = random.Random(staleness)
+    killed_in: list[str] = []
+    with ForkRunner() as runner:
+        assert runner.run([*argv, "--out", str(tmp_path / "straight")]) == "finished"
+        while len(killed_in) < 20:
+            phase = rng.choice(PHASES)
+            # at most about a step's worth of calls: the run must outlast 20 kills
+            call = rng.randint(1, {"journal": 10, "sample": 6, "update": 2,
+                                   "checkpoint": 2}[phase])
+            outcome = runner.run([*argv, "--out", str(tmp_path / "killed")], (phase, call))
+            assert outcome in ("killed", "finished"), outcome
+            if outcome == "finished":
+                break
+            killed_in.append(phase)
+        if len(killed_in) == 20:  # then to the end, untouched
+            assert runner.run([*argv, "--out", str(tmp_path / "killed")]) == "finished"
+    assert len(killed_in) == 20, f"the run ended after {len(killed_in)} kills: lengthen it"
+    assert set(killed_in) == set(PHASES)
+    straight, killed = rows(tmp_path / "straight"), rows(tmp_path / "killed")
+    assert [r["step"] for r in killed] == list(range(steps))
+    dropped = sum(r["journal_dropped_branches"] for r in killed)
+    assert dropped == 0  # nothing was too stale: every journaled branch could be used
+    for a, b in zip(killed, straight, strict=True):
+        assert (a["datums_digest"], a["episodes"], a["reward_mean"], a["sampler_version"]) == (
+            b["datums_digest"], b["episodes"], b["reward_mean"], b["sampler_version"]), a["step"]
+    assert sum(r["journal_resumed_branches"] for r in killed) > 0
+    assert sum(r["journal_reused_episodes"] for r in killed) > 0
+    assert not any(r["journal_resumed_branches"] + r["journal_reused_episodes"]
+                   for r in straight)
