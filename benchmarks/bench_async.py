@@ -5,8 +5,10 @@
 
 What runs: GRPO on Search-v0's train split with the embedded SmolLM2-135M, from an SFT
 checkpoint (``agent-gym train sft --preset cpu-demo`` on the same split: GRPO from the base
-model has no signal to learn from), ``--preset cpu-demo`` (2 tasks x 4 branches, 48 tokens,
-4 turns), ``--steps`` updates, every configuration in its own process:
+model has no signal to learn from), ``--preset cpu-demo`` (2 tasks, 48 tokens, 4 turns) with
+``--group-size`` 8 branches (with the preset's 4, most groups from this checkpoint were all
+successes or all failures and most steps trained nothing: nothing for the learner to overlap),
+``--steps`` updates, every configuration in its own process:
 
 * synchronous (``--max-staleness 0``) with 1 and with 2 torch threads, on seed 0; the faster
   of the two is "the best synchronous configuration", and runs the other seeds;
@@ -71,13 +73,14 @@ def sft(work: Path) -> Path:
 
 
 def grpo(work: Path, name: str, start: str, *, seed: int, threads: int, staleness: int,
-         steps: int, learning_rate: float) -> dict[str, Any]:
+         steps: int, learning_rate: float, group_size: int) -> dict[str, Any]:
     out = work / name
     command = python(
         "agent_gym_train.grpo", "--preset", "cpu-demo", "--env-id", ENV_ID, "--env-kwargs",
         TRAIN, "--init-from", start, "--steps", str(steps), "--seed", str(seed),
         "--threads", str(threads), "--max-staleness", str(staleness), "--learning-rate",
-        str(learning_rate), "--save-every", str(steps), "--out", str(out), "--no-progress")
+        str(learning_rate), "--group-size", str(group_size), "--save-every", str(steps),
+        "--out", str(out), "--no-progress")
     wall = run(command, threads)
     rows = read_metrics(out / "metrics.jsonl")
     steps_seconds = [row["time_step"] for row in rows]
@@ -125,15 +128,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--out", default=str(RESULTS / "async.json"))
     args = parser.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     result = Result()
     start = checkpoint_of(Path(args.sft) if args.sft else sft(work))
-    common = {"start": start, "steps": args.steps, "learning_rate": args.learning_rate}
+    common = {"start": start, "steps": args.steps, "learning_rate": args.learning_rate,
+              "group_size": args.group_size}
     result.figures |= {"env_id": ENV_ID, "train": json.loads(TRAIN), "preset": "cpu-demo",
-                       "init_from": start, "steps": args.steps,
+                       "init_from": start, "steps": args.steps, "group_size": args.group_size,
                        "learning_rate": args.learning_rate}
 
     runs: dict[str, dict[str, Any]] = {}
