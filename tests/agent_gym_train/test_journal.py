@@ -80,28 +80,36 @@ def rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("staleness", [1, 0])
-def test_twenty_kills_at_random_moments_lose_no_episode_and_count_none_twice(
-    toy_model: str, tmp_path: Path, staleness: int  # noqa: F811
+@pytest.mark.parametrize(("staleness", "kills", "phases", "more"), [
+    (1, 20, PHASES, []), (0, 8, PHASES, []),
+    # windowed chats continue too: killed only mid-rollout, where they are in flight
+    (0, 6, ("journal",), ["--history-window", "1", "--max-turns", "3", "--max-tokens", "12"]),
+])
+def test_kills_at_random_moments_lose_no_episode_and_count_none_twice(
+    toy_model: str, tmp_path: Path, staleness: int, kills: int,  # noqa: F811
+    phases: tuple[str, ...], more: list[str],
 ) -> None:
-    """20 SIGKILLs, each at a random call of a random phase (a turn being journaled, a
-    sampling call, an optimizer step, checkpoint.json about to be written), each rerun into
-    the same directory; then once more to the end. Every step trained exactly the datums
-    of a run never killed (same digest of tokens, targets and advantages), and the
-    journal was used: branches continued mid-episode, finished episodes reused."""
+    """20 SIGKILLs of an asynchronous run (8 of a synchronous one), each at a random call
+    of a random phase (a turn being journaled, a sampling call, an optimizer step,
+    checkpoint.json about to be written), each rerun into the same directory; then once
+    more to the end. Every step trained exactly the datums of a run never killed (same
+    digest of tokens, targets and advantages), and the journal was used: branches
+    continued mid-episode, finished episodes reused."""
     steps = 20
     argv = ["--env-id", grpo_toy.ENV_ID, "--model", toy_model, "--lora-rank", "0",
             "--steps", str(steps), "--batch-size", "2", "--group-size", "4",
             "--learning-rate", "1e-2", "--max-turns", "2", "--max-tokens", "8",
             "--max-trajectory-tokens", "96", "--save-every", "1", "--no-progress",
-            "--max-staleness", str(staleness), "--concurrency", "1"]
+            "--max-staleness", str(staleness), "--concurrency", "1", *more]
     rng = random.Random(staleness)
     killed_in: list[str] = []
     with ForkRunner() as runner:
         assert runner.run([*argv, "--out", str(tmp_path / "straight")]) == "finished"
-        while len(killed_in) < 20:
-            phase = rng.choice(PHASES)
-            # at most about a step's worth of calls: the run must outlast 20 kills
+        while len(killed_in) < kills:
+            if len(killed_in) % len(phases) == 0:  # every phase, in a random order
+                order = rng.sample(phases, len(phases))
+            phase = order[len(killed_in) % len(phases)]
+            # at most about a step's worth of calls: the run must outlast the kills
             call = rng.randint(1, {"journal": 10, "sample": 6, "update": 2,
                                    "checkpoint": 2}[phase])
             outcome = runner.run([*argv, "--out", str(tmp_path / "killed")], (phase, call))
@@ -109,10 +117,10 @@ def test_twenty_kills_at_random_moments_lose_no_episode_and_count_none_twice(
             if outcome == "finished":
                 break
             killed_in.append(phase)
-        if len(killed_in) == 20:  # then to the end, untouched
+        if len(killed_in) == kills:  # then to the end, untouched
             assert runner.run([*argv, "--out", str(tmp_path / "killed")]) == "finished"
-    assert len(killed_in) == 20, f"the run ended after {len(killed_in)} kills: lengthen it"
-    assert set(killed_in) == set(PHASES)
+    assert len(killed_in) == kills, f"the run ended after {len(killed_in)} kills: lengthen it"
+    assert set(killed_in) == set(phases)
     straight, killed = rows(tmp_path / "straight"), rows(tmp_path / "killed")
     assert [r["step"] for r in killed] == list(range(steps))
     dropped = sum(r["journal_dropped_branches"] for r in killed)

@@ -1,0 +1,148 @@
+"""How far the local sampler is from what this machine's memory allows, on a real GRPO step.
+
+    python benchmarks/bench_sampling.py [--out benchmarks/results/sampling.json]
+
+A decode step of a 135M-parameter model on a CPU does little arithmetic per byte it
+reads: every step streams all the weights (float32: ~540 MB, the tied LM head included)
+plus each row's keys and values (SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 x 4
+bytes = 46 KB per position). So the floor of a step is those bytes over the memory's read
+bandwidth, measured here on one thread (a ``sum`` over 1 GiB, best of 5; the sampler runs
+on one thread when it shares the machine with the learner). Sections, all in one run:
+
+- ``bandwidth``: read GB/s of one thread.
+- ``decode``: the engine's decode step at 1-32 rows and 400/1000 positions against its
+  bandwidth bound (``bound_ms``, ``step / bound``).
+- ``grpo_step``: one real ``agent-gym train grpo`` step on ALFWorld-v0 (text protocol,
+  4 tasks x 8 branches, at most 6 turns, 48-token replies, base SmolLM2, one thread): the
+  sampled tokens per second of its rollout phase against one-row Hugging Face ``generate``
+  measured in the same process before and after, the engine's time split (prefill, decode,
+  env and the rest) and its mean batch rows; the profile that says what bounds the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_local_backend import bench_decode_steps, gymnasium_opening, load, one_row_generate
+from harness import RESULTS, Result
+
+from agent_gym.render import ChatRenderer
+from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.backends.sampler import LocalSamplingClient
+
+KV_BYTES_PER_POSITION = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second one thread reads (a float32 sum over ``gib`` GiB, best of
+    ``repeats``)."""
+    data = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters a decode step reads whole: every one, a tied embedding and
+    head once (the step reads all of it as the head, and only a row per token as the
+    embedding)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def bench_decode(service: LocalServiceClient, bandwidth: float) -> dict[str, Any]:
+    steps = bench_decode_steps(service)
+    base = service.create_sampling_client("smollm2")
+    weights = weight_bytes(base.model)
+    out: dict[str, Any] = {"weight_bytes": weights,
+                           "kv_bytes_per_position": KV_BYTES_PER_POSITION}
+    for shape, figures in steps.items():
+        if "x" not in shape:
+            continue
+        rows, context = (int(part) for part in shape.split("x"))
+        bound = (weights + rows * context * KV_BYTES_PER_POSITION) / bandwidth
+        out[shape] = {**figures, "bound_ms": round(bound * 1000, 1),
+                      "step_over_bound": round(figures["step_ms"] / (bound * 1000), 2)}
+    return out
+
+
+def bench_grpo_step() -> dict[str, Any]:
+    from agent_gym_train.grpo import Args, train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        service = LocalServiceClient(checkpoint_dir=Path(tmp) / "ck", device="cpu", threads=1)
+        base = service.create_sampling_client("smollm2")
+        renderer = ChatRenderer(base.tokenizer)
+        opening = gymnasium_opening("agent_gym/ALFWorld-v0", {"protocol": "text"})
+        prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
+        before = one_row_generate(base, prompt, 32)
+        engines: list[LocalSamplingClient] = []
+        make = service.make_sampler
+
+        def keep(*args: Any, **kwargs: Any) -> LocalSamplingClient:
+            engines.append(make(*args, **kwargs))
+            return engines[-1]
+
+        service.make_sampler = keep  # type: ignore[method-assign]
+        args = Args(env_id="agent_gym/ALFWorld-v0", env_kwargs={"protocol": "text"}, steps=1,
+                    batch_size=4, group_size=8, max_turns=6, max_tokens=48,
+                    out=str(Path(tmp) / "run"), progress=False, save_every=1)
+        row = train(args, service)[0]
+        after = one_row_generate(base, prompt, 32)
+    stats = engines[0].stats
+    rollout = row["time_rollout"]
+    one_row = (before[0] + after[0]) / 2
+    decode = stats.busy_seconds - stats.prefill_seconds
+    return {
+        "command": "agent-gym train grpo --env-id agent_gym/ALFWorld-v0 --env-kwargs "
+                   "'{\"protocol\": \"text\"}' --batch-size 4 --group-size 8 --max-turns 6 "
+                   "--max-tokens 48 --steps 1 --threads 1",
+        "sampled_tokens": row["sampled_tokens"], "episodes": row["episodes"],
+        "turns_mean": row["turns_mean"], "rollout_seconds": round(rollout, 1),
+        "rollout_tok_s": round(row["sampled_tokens"] / rollout, 2),
+        "one_row_generate_tok_s": [round(before[0], 2), round(after[0], 2)],
+        "rollout_vs_one_row": round(row["sampled_tokens"] / rollout / one_row, 2),
+        "profile": {
+            "prefill_seconds": round(stats.prefill_seconds, 1),
+            "prefill_tokens": stats.prefill_tokens,
+            "reused_prefix_tokens": stats.reused_tokens,
+            "decode_seconds": round(decode, 1),
+            "decode_steps": stats.decode_steps,
+            "mean_batch_rows": round(stats.decoded_rows / max(1, stats.decode_steps), 1),
+            "decode_step_ms_mean": round(1000 * decode / max(1, stats.decode_steps), 1),
+            "env_and_other_seconds": round(rollout - stats.busy_seconds, 1),
+            "decode_only_vs_one_row": round(row["sampled_tokens"] / decode / one_row, 2),
+        },
+        "load_after": load(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(RESULTS / "sampling.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = Result()
+    bandwidth = read_bandwidth()
+    result.figures["bandwidth"] = {"read_gb_s_one_thread": round(bandwidth / 1e9, 2)}
+    print(result.figures, file=sys.stderr, flush=True)
+    service = LocalServiceClient(device="cpu", threads=1)
+    result.figures["decode"] = bench_decode(service, bandwidth)
+    result.write(args.out)
+    result.figures["grpo_step"] = bench_grpo_step()
+    result.write(args.out)
+    print(result.figures, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
