@@ -44,6 +44,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -143,7 +144,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             return groups, refills
 
         # ---- rollouts on weights at most max_staleness updates old (0: the current ones)
-        with RolloutPipeline(run, collect, args.max_staleness) as rollouts:
+        with closing(RolloutPipeline(run, collect, args.max_staleness)) as rollouts:
             for step in run.progress():
                 t0 = time.perf_counter()
                 sampled = rollouts.take(step)

@@ -54,6 +54,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -355,7 +356,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             return Collected(groups, scored, teacher_logprobs, labels, t2 - t1,
                              time.perf_counter() - t2)
 
-        with RolloutPipeline(run, collect, args.max_staleness) as rollouts:
+        with closing(RolloutPipeline(run, collect, args.max_staleness)) as rollouts:
             for step in run.progress():
                 t0 = time.perf_counter()
                 sampled = rollouts.take(step)

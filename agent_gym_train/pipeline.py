@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Generic, TypeVar
 
 import torch
@@ -83,8 +82,8 @@ class Sampled(Generic[T]):
 
 class RolloutPipeline(Generic[T]):
     """Steps ``run.start .. run.steps - 1`` of rollouts, produced by ``collect(step,
-    sampler)`` and handed to the learner in order by ``take``. Use it as a context
-    manager: leaving it stops the worker (a rollout in progress is abandoned)."""
+    sampler)`` and handed to the learner in order by ``take``. ``close`` it (``with
+    contextlib.closing(...)``): that stops the worker (a rollout in progress is abandoned)."""
 
     def __init__(
         self, run: Run, collect: Callable[[int, VersionedSampler], T], max_staleness: int
@@ -162,15 +161,6 @@ class RolloutPipeline(Generic[T]):
             apply_threads(threads)
             sys.setswitchinterval(interval)
             self._restore = None
-
-    def __enter__(self) -> RolloutPipeline[T]:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ----------------------------------------------------------------- worker
     def _publish_now(self, version: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -184,8 +185,8 @@ def test_each_step_samples_on_the_newest_weights_its_bound_allows(
 ) -> None:
     run = FakeRun(start, start + 6)
     run.training.version = start
-    with RolloutPipeline(run, lambda step, policy: (step, policy.sampler, policy.version),
-                         staleness) as rollouts:
+    collect = lambda step, policy: (step, policy.sampler, policy.version)  # noqa: E731
+    with closing(RolloutPipeline(run, collect, staleness)) as rollouts:
         for step in range(start, start + 6):
             sampled = rollouts.take(step)
             # the sampler given is the weights of the version it is said to be
@@ -203,7 +204,7 @@ def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
         return step
 
     run = FakeRun(0, 5)
-    with RolloutPipeline(run, collect, 1) as rollouts:
+    with closing(RolloutPipeline(run, collect, 1)) as rollouts:
         assert rollouts.take(0).batch == 0
         run.training.version = 1
         rollouts.publish(1)
@@ -221,7 +222,7 @@ def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
 def test_leaving_early_stops_the_worker_and_gives_the_threads_back() -> None:
     threads = torch.get_num_threads()
     run = FakeRun(0, 10)
-    with RolloutPipeline(run, lambda step, policy: step, 1) as rollouts:
+    with closing(RolloutPipeline(run, lambda step, policy: step, 1)) as rollouts:
         rollouts.take(0)  # then leave without publishing: the worker waits for version 1
     assert rollouts._worker is not None
     rollouts._worker.join(timeout=10)
