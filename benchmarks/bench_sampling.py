@@ -7,11 +7,13 @@ reads: every step streams all the weights (float32: ~540 MB, the tied LM head in
 plus each row's keys and values (SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 x 4
 bytes = 46 KB per position). So the floor of a step is those bytes over the memory's read
 bandwidth, measured here on one thread (a ``sum`` over 1 GiB, best of 5; the sampler runs
-on one thread when it shares the machine with the learner). Sections, all in one run:
+on one thread when it shares the machine with the learner). With many rows the arithmetic
+(2 flops per parameter per row, plus attention over the context) overtakes the bytes, so
+the roofline of a step is the larger of the two. Sections, all in one run:
 
-- ``bandwidth``: read GB/s of one thread.
+- ``roofs``: read GB/s and large-matmul GFLOP/s of one thread.
 - ``decode``: the engine's decode step at 1-32 rows and 400/1000 positions against its
-  bandwidth bound (``bound_ms``, ``step / bound``).
+  roofline (``memory_bound_ms``, ``compute_bound_ms``, ``step_over_bound``).
 - ``grpo_step``: one real ``agent-gym train grpo`` step on ALFWorld-v0 (text protocol,
   4 tasks x 8 branches, at most 6 turns, 48-token replies, base SmolLM2, one thread): the
   sampled tokens per second of its rollout phase against one-row Hugging Face ``generate``
@@ -37,6 +39,9 @@ from agent_gym_train.backends.local import LocalServiceClient
 from agent_gym_train.backends.sampler import LocalSamplingClient
 
 KV_BYTES_PER_POSITION = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32
+# a new token attends to every position: q.k and the weighted sum of values, 9 heads x 64
+# dims x 2 flops each, in 30 layers
+ATTENTION_FLOPS_PER_POSITION = 30 * 9 * 64 * 2 * 2
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -51,6 +56,19 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
+def matmul_flops(repeats: int = 5, size: int = 1024) -> float:
+    """Floating-point operations per second of one thread on a large float32 matrix
+    product (best of ``repeats``): the compute roof."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters a decode step reads whole: every one, a tied embedding and
     head once (the step reads all of it as the head, and only a row per token as the
@@ -59,18 +77,24 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def bench_decode(service: LocalServiceClient, bandwidth: float) -> dict[str, Any]:
+def bench_decode(service: LocalServiceClient, bandwidth: float, flops: float) -> dict[str, Any]:
+    """Each decode shape against its roofline: the larger of reading the weights and the
+    rows' keys and values at ``bandwidth`` and doing its arithmetic at ``flops``."""
     steps = bench_decode_steps(service)
     base = service.create_sampling_client("smollm2")
     weights = weight_bytes(base.model)
-    out: dict[str, Any] = {"weight_bytes": weights,
+    params = sum(p.numel() for p in {p.data_ptr(): p for p in base.model.parameters()}.values())
+    out: dict[str, Any] = {"weight_bytes": weights, "parameters": params,
                            "kv_bytes_per_position": KV_BYTES_PER_POSITION}
     for shape, figures in steps.items():
         if "x" not in shape:
             continue
         rows, context = (int(part) for part in shape.split("x"))
-        bound = (weights + rows * context * KV_BYTES_PER_POSITION) / bandwidth
-        out[shape] = {**figures, "bound_ms": round(bound * 1000, 1),
+        memory = (weights + rows * context * KV_BYTES_PER_POSITION) / bandwidth
+        work = rows * (2 * params + ATTENTION_FLOPS_PER_POSITION * context) / flops
+        bound = max(memory, work)
+        out[shape] = {**figures, "memory_bound_ms": round(memory * 1000, 1),
+                      "compute_bound_ms": round(work * 1000, 1),
                       "step_over_bound": round(figures["step_ms"] / (bound * 1000), 2)}
     return out
 
@@ -133,10 +157,12 @@ def main() -> int:
     torch.set_num_threads(1)
     result = Result()
     bandwidth = read_bandwidth()
-    result.figures["bandwidth"] = {"read_gb_s_one_thread": round(bandwidth / 1e9, 2)}
+    flops = matmul_flops()
+    result.figures["roofs"] = {"read_gb_s_one_thread": round(bandwidth / 1e9, 2),
+                               "matmul_gflop_s_one_thread": round(flops / 1e9, 1)}
     print(result.figures, file=sys.stderr, flush=True)
     service = LocalServiceClient(device="cpu", threads=1)
-    result.figures["decode"] = bench_decode(service, bandwidth)
+    result.figures["decode"] = bench_decode(service, bandwidth, flops)
     result.write(args.out)
     result.figures["grpo_step"] = bench_grpo_step()
     result.write(args.out)
