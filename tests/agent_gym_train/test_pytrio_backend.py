@@ -122,6 +122,34 @@ def test_resume_from_a_remote_checkpoint(server: FakePytrioServer, tmp_path: Pat
     assert [json.loads(line)["step"] for line in rows] == [0, 1, 2, 3]
 
 
+def test_rollouts_ahead_of_the_learner_on_pytrio(server: FakePytrioServer, tmp_path: Path) -> None:
+    """--max-staleness 1 through pytrio's client: the rollouts of step t+1 are sampled on
+    the weights before update t (the same numbers as the local backend's), stale data trains
+    truncated importance sampling (pytrio's cispo on [0, 2]), and a continued run samples
+    its first step on the earlier checkpoint's weights, as the uninterrupted run did."""
+    remote = train(args_for("pytrio", MODEL_ID, tmp_path / "remote-run", max_staleness=1,
+                            save_every=1), service=FakeServiceClient(server))
+    local = train(args_for("local", server.models[MODEL_ID], tmp_path / "local-run",
+                           max_staleness=1, save_every=1),
+                  service=LocalServiceClient(checkpoint_dir=tmp_path / "local-ckpt"))
+    assert [r["sampler_version"] for r in remote] == [0, 0, 1, 2]
+    assert [r["reward_mean"] for r in remote] == [r["reward_mean"] for r in local]
+    assert [r["datums_digest"] for r in remote] == [r["datums_digest"] for r in local]
+    trained = [group for group in server.groups if group]
+    assert trained and {r.loss.type for g in trained for r in g} == {"cispo"}
+    assert trained[0][0].loss.config == {"clip_low_threshold": 0.0, "clip_high_threshold": 2.0}
+
+    out = tmp_path / "continued"
+    train(args_for("pytrio", MODEL_ID, out, steps=2, max_staleness=1, save_every=1),
+          service=FakeServiceClient(server))
+    saved = json.loads((out / "checkpoint.json").read_text())
+    assert set(saved["earlier"]) == {"1"} and saved["earlier"]["1"].startswith("pytrio://")
+    continued = train(args_for("pytrio", MODEL_ID, out, steps=4, max_staleness=1,
+                               save_every=1), service=FakeServiceClient(server))
+    assert [r["sampler_version"] for r in continued] == [1, 2]
+    assert [r["datums_digest"] for r in continued] == [r["datums_digest"] for r in remote[2:]]
+
+
 def test_rollouts_and_datums_through_pytrio_types(server: FakePytrioServer) -> None:
     service = FakeServiceClient(server)
     training = service.create_lora_training_client(MODEL_ID, rank=8, seed=1)
