@@ -31,6 +31,9 @@ The objective (``agent_gym_train.losses``), and why each option exists:
 * ``--loss-aggregation token-mean`` (pytrio's built-in; DAPO's token-level loss: long
   replies get their full weight) | ``sequence-mean`` (GRPO's original: each episode weighs
   the same; via ``forward_backward_custom``).
+* ``--task-sampler mixed``: tasks whose recent groups had mixed outcomes are drawn more
+  often (``agent_gym_train.tasks``): at this scale most groups are all-or-nothing, and
+  their rollouts teach nothing.
 * ``--max-staleness N`` (default 0): the rollouts of the next steps run while the learner
   trains, on weights at most N updates old (``agent_gym_train.pipeline``), so neither the
   sampler nor the learner waits for the other; 0 is the synchronous loop. Each metrics
@@ -71,6 +74,7 @@ from agent_gym_train.rollout import (
 )
 from agent_gym_train.run import device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics
+from agent_gym_train.tasks import SAMPLERS
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = "GRPO on agent_gym environments, in one file you can read top to bottom."
@@ -91,6 +95,9 @@ class Args(RunArgs):
         8, "with --dynamic-sampling: extra groups a step may roll out at most")
     max_staleness: int = max_staleness_option()
     max_importance_weight: float = max_importance_weight_option()
+    task_sampler: str = option(
+        "uniform", "how a step's tasks are drawn: uniform, or mixed (prefer tasks whose recent "
+        "groups had mixed outcomes, the ones a group learns from)", SAMPLERS)
     history_window: int | None = option(
         None, "show the policy the task and only the last N turns, as `agent-gym eval "
         "--history-window N` does (each cut restarts the token-continuous prompt)")
@@ -126,10 +133,12 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         objective = (run.objective.truncated(args.max_importance_weight)
                      if args.max_staleness else run.objective)
 
-        def collect(step: int, policy: VersionedSampler) -> tuple[list[list[Episode]], int]:
-            """The step's groups: batch_size tasks x group_size branches, and the refills."""
+        def collect(step: int, policy: VersionedSampler) -> Collected:
+            """The step's groups: batch_size tasks x group_size branches, and the refills;
+            the task sampler learns which of them had mixed outcomes."""
             rng = run.rng(step)
-            groups = rollout_step(run, step, policy, run.tasks(rng, args.batch_size), config)
+            tasks = run.tasks(rng, args.batch_size)
+            groups = rollout_step(run, step, policy, tasks, config)
             # ---- dynamic sampling: refill the degenerate groups (rewards all equal) with
             #      more tasks, up to max_refill_groups extra groups
             refills = 0
@@ -137,18 +146,20 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 missing = args.batch_size - sum(not degenerate(g) for g in groups)
                 if missing <= 0:
                     break
-                more = min(missing, args.max_refill_groups - refills)
-                groups += rollout_step(run, step, policy, run.tasks(rng, more), config,
+                more = run.tasks(rng, min(missing, args.max_refill_groups - refills))
+                groups += rollout_step(run, step, policy, more, config,
                                        purpose=f"refill-{refills}")
-                refills += more
-            return groups, refills
+                tasks += more
+                refills += len(more)
+            outcomes = run.task_sampler.record(tasks, [not degenerate(g) for g in groups])
+            return Collected(groups, refills, outcomes)
 
         # ---- rollouts on weights at most max_staleness updates old (0: the current ones)
         with closing(RolloutPipeline(run, collect, args.max_staleness)) as rollouts:
             for step in run.progress():
                 t0 = time.perf_counter()
                 sampled = rollouts.take(step)
-                groups, refills = sampled.batch
+                groups, refills = sampled.batch.groups, sampled.batch.refills
                 t1 = time.perf_counter()
 
                 # ---- advantages and datums; groups without signal are skipped
@@ -177,6 +188,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                        "groups": len(groups), "degenerate_groups": skipped,
                        "degenerate_rate": skipped / len(groups), "refill_groups": refills,
                        **trained, "datums_digest": datums_digest(datums),
+                       "task_outcomes": sampled.batch.outcomes,
                        **versions(step, episodes, run),
                        "time_sampler": sampled.time_sampler,
                        "time_rollout": sampled.time_rollout,
@@ -186,6 +198,16 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                                              "degenerate": skipped})
                 history.append(row)
     return history
+
+
+@dataclass(frozen=True)
+class Collected:
+    """A step's rollouts: its groups, how many were refills, and which tasks had mixed
+    outcomes (``TaskSampler.record``)."""
+
+    groups: list[list[Episode]]
+    refills: int
+    outcomes: dict[str, int]
 
 
 def degenerate(group: Sequence[Episode]) -> bool:

@@ -44,8 +44,10 @@ from agent_gym_train.runfiles import (
     Metrics,
     append_metrics,
     keep_metrics_before,
+    read_metrics,
     write_text,
 )
+from agent_gym_train.tasks import TaskSampler
 
 if TYPE_CHECKING:
     from agent_gym_train.store import StateStore
@@ -95,6 +97,7 @@ class Run:
     max_turns: int  # replies per episode: --max-turns, or the env's own budget
     adam: AdamParams
     objective: Objective
+    task_sampler: TaskSampler
     idle_steps: int = 0  # steps in a row that trained nothing
     bar: tqdm | None = field(default=None, repr=False)
     _journal: Journal | None = field(default=None, repr=False)
@@ -143,9 +146,9 @@ class Run:
         return derive_seed(self.args.seed, step, purpose, index)
 
     def tasks(self, rng: np.random.Generator, count: int) -> list[dict[str, int]]:
-        """Reset options of ``count`` tasks drawn uniformly (distinct while there are enough)."""
-        chosen = rng.choice(self.num_tasks, size=count, replace=count > self.num_tasks)
-        return [{"index": int(i)} for i in chosen]
+        """Reset options of ``count`` tasks, drawn by the run's task sampler (uniformly
+        unless ``--task-sampler`` says otherwise; distinct while there are enough)."""
+        return self.task_sampler.draw(rng, count)
 
     def update(
         self, datums: list[Datum], supervised: Sequence[Datum] = (),
@@ -286,6 +289,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     training, resumed = training_client(service, args, out / CHECKPOINT_FILE)
     out.mkdir(parents=True, exist_ok=True)
     keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
+    earlier = read_metrics(out / METRICS_FILE) if (out / METRICS_FILE).is_file() else []
     return Run(
         args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),
@@ -294,4 +298,6 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
         max_turns=args.max_turns if args.max_turns is not None else env_turns,
         adam=AdamParams(learning_rate=args.learning_rate, grad_clip_norm=args.grad_clip_norm),
         objective=Objective(args.loss, args.loss_aggregation, args.clip_low, args.clip_high),
+        task_sampler=TaskSampler.from_metrics(
+            num_tasks, getattr(args, "task_sampler", "uniform"), earlier),
     )
