@@ -77,7 +77,7 @@ class BranchRecord:
             "invalid": self.invalid, "cut": self.cut,
             "earlier": [s.to_dict() for s in self.earlier], "dropped": self.dropped,
             "episode": None if self.episode is None else _episode_to_dict(self.episode),
-        }, ensure_ascii=False)
+        })  # ASCII: a lone surrogate in a chat is stored escaped, not refused
 
     @classmethod
     def from_json(cls, text: str) -> BranchRecord:

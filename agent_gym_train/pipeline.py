@@ -77,7 +77,6 @@ class Sampled(Generic[T]):
     batch: T
     time_sampler: float  # taking the sampler (copying the weights)
     time_rollout: float  # collect's own time
-    time_waited: float  # how long the learner waited for it
 
 
 class RolloutPipeline(Generic[T]):
@@ -132,16 +131,13 @@ class RolloutPipeline(Generic[T]):
             sampler = self.run.training.save_weights_and_get_sampling_client()
             t1 = time.perf_counter()
             batch = self.collect(step, VersionedSampler(sampler, step))
-            return Sampled(step, step, batch, t1 - t0, time.perf_counter() - t1, 0.0)
-        t0 = time.perf_counter()
+            return Sampled(step, step, batch, t1 - t0, time.perf_counter() - t1)
         with self._changed:
             while step not in self._ready and self._failure is None:
                 self._changed.wait()
             if self._failure is not None:
                 raise RuntimeError("the rollout worker failed") from self._failure
-            sampled = self._ready.pop(step)
-        return Sampled(sampled.step, sampled.version, sampled.batch, sampled.time_sampler,
-                       sampled.time_rollout, time.perf_counter() - t0)
+            return self._ready.pop(step)
 
     def publish(self, version: int) -> None:
         """The weights now hold ``version`` updates: take a sampler on them if a later step
@@ -190,7 +186,7 @@ class RolloutPipeline(Generic[T]):
                         del self._samplers[old]  # no later step samples on older weights
                 t0 = time.perf_counter()
                 batch = self.collect(step, VersionedSampler(sampler, version))
-                done = Sampled(step, version, batch, copy_time, time.perf_counter() - t0, 0.0)
+                done = Sampled(step, version, batch, copy_time, time.perf_counter() - t0)
                 del sampler
                 with self._changed:
                     self._ready[step] = done

@@ -132,3 +132,13 @@ def test_kills_at_random_moments_lose_no_episode_and_count_none_twice(
     assert sum(r["journal_reused_episodes"] for r in killed) > 0
     assert not any(r["journal_resumed_branches"] + r["journal_reused_episodes"]
                    for r in straight)
+
+
+def test_a_chat_holding_a_lone_surrogate_is_journaled_and_read_back(tmp_path: Path) -> None:
+    """Env text can hold anything; the journal stores it escaped (SQLite would refuse a
+    lone surrogate as UTF-8) and gives back the same string."""
+    record = in_flight(0)
+    record.messages = [{"role": "user", "content": "a\udc80b"}]
+    journal = Journal(tmp_path / "j.sqlite", {})
+    journal.record(0, "group", 0, 0, record)
+    assert journal.take(0, "group", 0, version=0, branches=1)[0].messages == record.messages
