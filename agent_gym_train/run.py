@@ -44,7 +44,6 @@ from agent_gym_train.runfiles import (
     Metrics,
     append_metrics,
     keep_metrics_before,
-    read_metrics,
     write_text,
 )
 from agent_gym_train.tasks import TaskSampler
@@ -288,8 +287,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     )
     training, resumed = training_client(service, args, out / CHECKPOINT_FILE)
     out.mkdir(parents=True, exist_ok=True)
-    keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
-    earlier = read_metrics(out / METRICS_FILE) if (out / METRICS_FILE).is_file() else []
+    earlier = keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
     return Run(
         args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),

@@ -73,11 +73,14 @@ def read_metrics(path: Path) -> list[Metrics]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def keep_metrics_before(path: Path, step: int) -> None:
-    """Drop metric lines a killed run wrote after its last checkpoint."""
-    if path.is_file():
-        kept = [row for row in read_metrics(path) if row["step"] < step]
-        write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+def keep_metrics_before(path: Path, step: int) -> list[Metrics]:
+    """Drop metric lines a killed run wrote after its last checkpoint; returns the lines
+    kept (what a continued run rebuilds its state from)."""
+    if not path.is_file():
+        return []
+    kept = [row for row in read_metrics(path) if row["step"] < step]
+    write_text(path, "".join(json.dumps(row) + "\n" for row in kept))
+    return kept
 
 
 def checkpoint_path(spec: str) -> str:

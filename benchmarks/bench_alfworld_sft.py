@@ -61,13 +61,14 @@ def summary(run: Path) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/agent-gym-bench-alfworld-sft")
+    parser.add_argument("--work", default="runs/bench-alfworld-sft",
+                        help="where the runs go (recorded as $WORK)")
     parser.add_argument("--demos", type=int, default=60)
     parser.add_argument("--held-out", type=int, default=100)
     parser.add_argument("--out", default=str(RESULTS / "alfworld_sft.json"))
     args = parser.parse_args()
-    work = Path(args.work)
-    result = Result()
+    work = Path(args.work).resolve()
+    result = Result(placeholders={str(work): "$WORK"})
     started = time.perf_counter()
     oracle, sft, base_eval, sft_eval = (work / name for name in (
         "alf-oracle", "alf-sft", "alf-eval-base", "alf-eval-sft"))

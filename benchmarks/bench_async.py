@@ -123,7 +123,8 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/agent-gym-bench-async")
+    parser.add_argument("--work", default="runs/bench-async",
+                        help="where the runs go (recorded as $WORK)")
     parser.add_argument("--sft", default=None, help="an SFT run directory to start from")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--seeds", type=int, default=3)
@@ -131,9 +132,12 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--out", default=str(RESULTS / "async.json"))
     args = parser.parse_args()
-    work = Path(args.work)
+    work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    result = Result()
+    result = Result(placeholders={str(work): "$WORK"})
+    if args.sft:
+        result.placeholders[str(Path(args.sft).resolve())] = "$SFT"
+        result.placeholders[args.sft] = "$SFT"
     start = checkpoint_of(Path(args.sft) if args.sft else sft(work))
     common = {"start": start, "steps": args.steps, "learning_rate": args.learning_rate,
               "group_size": args.group_size}

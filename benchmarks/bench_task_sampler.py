@@ -72,14 +72,16 @@ def grpo(work: Path, name: str, start: str, sampler: str, seed: int, steps: int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft", required=True, help="the SFT run directory to start from")
-    parser.add_argument("--work", default="/tmp/agent-gym-bench-task-sampler")
+    parser.add_argument("--work", default="runs/bench-task-sampler",
+                        help="where the runs go (recorded as $WORK)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "task_sampler.json"))
     args = parser.parse_args()
-    work = Path(args.work)
+    work = Path(args.work).resolve()
     start = json.loads((Path(args.sft) / "checkpoint.json").read_text())["path"]
-    result = Result()
+    result = Result(placeholders={str(work): "$WORK", str(Path(args.sft).resolve()): "$SFT",
+                                  args.sft: "$SFT"})
     result.figures |= {"env_id": ENV_ID, "train": json.loads(TRAIN), "init_from": start,
                        "steps": args.steps, "batch_size": 4, "group_size": 4}
     runs: dict[str, Any] = {}

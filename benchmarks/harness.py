@@ -63,6 +63,9 @@ class Result:
     """A run in progress: started now, its figures added as they are measured."""
 
     figures: dict[str, Any] = field(default_factory=dict)
+    # Paths of this machine (work and input directories) written as names (``$WORK``), so
+    # the record reads the same wherever it ran; longer paths are replaced first.
+    placeholders: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     load_at_start: float = field(default_factory=lambda: round(os.getloadavg()[0], 2))
 
@@ -87,5 +90,8 @@ class Result:
         """Write the record so far; call again (after each section, say) to bring it up to date."""
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.record(), indent=2) + "\n", encoding="utf-8")
+        text = json.dumps(self.record(), indent=2) + "\n"
+        for local, name in sorted(self.placeholders.items(), key=lambda kv: -len(kv[0])):
+            text = text.replace(local, name)
+        path.write_text(text, encoding="utf-8")
         return path
