@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from agent_gym_train.backends import BACKENDS
+from agent_gym_train.backends import BACKENDS, SAMPLER_PRECISIONS
 from agent_gym_train.losses import AGGREGATIONS, POLICY_LOSSES, TOKEN_MEAN
 from agent_gym_train.losses import problems as loss_problems
 from agent_gym_train.options import option, options_parser
@@ -49,6 +49,10 @@ class RunArgs:
     activation_checkpointing: bool = option(
         False, "local backend: recompute each layer's activations in the backward pass (the "
         "same gradient, about a third of the learner's peak memory and 1.4x its time)")
+    sampler_precision: str = option(
+        "float32", "local backend: the samplers' copy of the weights; bfloat16 decodes faster "
+        "where the hardware has bf16 units, and the loss's importance ratio corrects the "
+        "rounding as it corrects staleness", SAMPLER_PRECISIONS)
     batch_size: int | None = option(
         None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")

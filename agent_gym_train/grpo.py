@@ -40,6 +40,9 @@ The objective (``agent_gym_train.losses``), and why each option exists:
   line says which weights sampled its data (``sampler_version``, ``staleness``). The loss's
   ratio to the sampler's logprobs is the off-policy correction; ``importance_sampling``
   trains truncated at ``--max-importance-weight`` (``Objective.truncated``).
+* ``--sampler-precision bfloat16`` (local backend): rollouts sample from a bfloat16 copy of
+  the weights, faster where the hardware has bf16 units; the same ratio corrects the
+  rounding, and ``importance_sampling`` trains truncated as with staleness.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from agent_gym_train.pipeline import (
     RolloutPipeline,
     max_importance_weight_option,
     max_staleness_option,
+    off_policy_objective,
     staleness_problems,
 )
 from agent_gym_train.rollout import (
@@ -130,8 +134,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
         config = run_rollout_config(run, args.group_size, args.history_window)
-        objective = (run.objective.truncated(args.max_importance_weight)
-                     if args.max_staleness else run.objective)
+        objective = off_policy_objective(run, args.max_staleness, args.max_importance_weight)
 
         def collect(step: int, policy: VersionedSampler) -> Collected:
             """The step's groups: batch_size tasks x group_size branches, and the refills;

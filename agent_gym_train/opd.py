@@ -73,6 +73,7 @@ from agent_gym_train.pipeline import (
     RolloutPipeline,
     max_importance_weight_option,
     max_staleness_option,
+    off_policy_objective,
     staleness_problems,
 )
 from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config, versions
@@ -314,8 +315,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         check_tokenizers(run.training.get_tokenizer(), teacher.get_tokenizer())
         openings: dict[int, tuple[list[int], list[int]]] = {}
         config = run_rollout_config(run, args.group_size)
-        objective = (run.objective.truncated(args.max_importance_weight)
-                     if args.max_staleness else run.objective)
+        objective = off_policy_objective(run, args.max_staleness, args.max_importance_weight)
 
         def collect(step: int, policy: VersionedSampler) -> Collected:
             # ---- the student samples (on weights at most --max-staleness updates old)

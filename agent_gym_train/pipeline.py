@@ -41,6 +41,7 @@ import torch
 
 from agent_gym_train.backends.runtime import apply_threads
 from agent_gym_train.clients import Sampler, VersionedSampler
+from agent_gym_train.losses import Objective
 from agent_gym_train.options import option
 from agent_gym_train.run import Run
 from agent_gym_train.runfiles import checkpoint_path
@@ -57,8 +58,18 @@ def max_staleness_option() -> int:
 
 def max_importance_weight_option() -> float:
     """``--max-importance-weight``: the bound of ``Objective.truncated``."""
-    return option(2.0, "with --max-staleness: the largest importance weight of a token under "
-                       "--loss importance_sampling (truncated importance sampling)")
+    return option(2.0, "with --max-staleness or --sampler-precision bfloat16: the largest "
+                       "importance weight of a token under --loss importance_sampling "
+                       "(truncated importance sampling)")
+
+
+def off_policy_objective(run: Run, max_staleness: int, max_importance_weight: float
+                         ) -> Objective:
+    """The run's objective, truncated (``Objective.truncated``) when its samples come from
+    other weights than the learner's: older ones (``max_staleness``) or a bfloat16 copy
+    (``--sampler-precision``), whose logprobs differ from the learner's by the rounding."""
+    exact = max_staleness == 0 and run.args.sampler_precision == "float32"
+    return run.objective if exact else run.objective.truncated(max_importance_weight)
 
 
 def staleness_problems(max_staleness: int, max_importance_weight: float) -> list[str]:

@@ -88,10 +88,11 @@ def _context_length(sampling_client: Any) -> int | None:
 
 def sampler_policy(
     spec: str, *, seed: int, max_tokens: int, temperature: float = 0.0, device: str = "auto",
-    threads: int | None = None,
+    threads: int | None = None, precision: str = "float32",
 ) -> SamplerPolicy:
-    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``; ``device`` and
-    ``threads`` place the local sampler (see ``agent_gym_train.backends.runtime``).
+    """``local[:MODEL][@CHECKPOINT]`` or ``pytrio:MODEL[@CHECKPOINT]``; ``device``,
+    ``threads`` and ``precision`` (its weights' dtype) place the local sampler (see
+    ``agent_gym_train.backends.runtime``).
 
     CHECKPOINT is what a trainer's ``--init-from`` takes
     (``agent_gym_train.runfiles.checkpoint_path``):
@@ -106,7 +107,8 @@ def sampler_policy(
         raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
     try:
         path = checkpoint_path(checkpoint) if checkpoint else None
-        service = make_service(backend, device=device, threads=threads)
+        service = make_service(backend, device=device, threads=threads,
+                               sampler_precision=precision)
         client = service.create_sampling_client(model or "smollm2", path)
     except RunConfigError as err:
         raise RunConfigError(f"--policy {backend}:{model}@{err}") from err

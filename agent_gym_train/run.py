@@ -284,6 +284,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
         args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key,
         device=args.device, threads=args.threads,
         activation_checkpointing=args.activation_checkpointing,
+        sampler_precision=args.sampler_precision,
     )
     training, resumed = training_client(service, args, out / CHECKPOINT_FILE)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,24 +1,29 @@
-"""How far the local sampler is from what this machine's memory allows, on a real GRPO step.
+"""How far the local sampler is from what this machine's memory allows, on a real GRPO step,
+with float32 weights and with a bfloat16 sampling copy (``--sampler-precision``).
 
     python benchmarks/bench_sampling.py [--out benchmarks/results/sampling.json]
 
 A decode step of a 135M-parameter model on a CPU does little arithmetic per byte it
-reads: every step streams all the weights (float32: ~540 MB, the tied LM head included)
-plus each row's keys and values (SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 x 4
-bytes = 46 KB per position). So the floor of a step is those bytes over the memory's read
-bandwidth, measured here on one thread (a ``sum`` over 1 GiB, best of 5; the sampler runs
-on one thread when it shares the machine with the learner). With many rows the arithmetic
-(2 flops per parameter per row, plus attention over the context) overtakes the bytes, so
-the roofline of a step is the larger of the two. Sections, all in one run:
+reads: every step streams all the weights (float32: ~540 MB, the tied LM head included;
+bfloat16: half, with the head stored apart from the embedding) plus each row's keys and
+values (SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 values per position, 4 or 2
+bytes each). So the floor of a step is those bytes over the memory's read bandwidth,
+measured here on one thread (a ``sum`` over 1 GiB, best of 5; the sampler runs on one
+thread when it shares the machine with the learner). With many rows the arithmetic (2
+flops per parameter per row, plus attention over the context) overtakes the bytes, so the
+roofline of a step is the larger of the two, the arithmetic at the large-matmul rate of the
+weights' dtype. Sections, all in one run, per precision (bfloat16 only where this CPU has
+bf16 units):
 
-- ``roofs``: read GB/s and large-matmul GFLOP/s of one thread.
+- ``roofs``: read GB/s and large-matmul GFLOP/s of one thread (float32 and bfloat16).
 - ``decode``: the engine's decode step at 1-32 rows and 400/1000 positions against its
   roofline (``memory_bound_ms``, ``compute_bound_ms``, ``step_over_bound``).
 - ``grpo_step``: one real ``agent-gym train grpo`` step on ALFWorld-v0 (text protocol,
   4 tasks x 8 branches, at most 6 turns, 48-token replies, base SmolLM2, one thread): the
   sampled tokens per second of its rollout phase against one-row Hugging Face ``generate``
-  measured in the same process before and after, the engine's time split (prefill, decode,
-  env and the rest) and its mean batch rows; the profile that says what bounds the ratio.
+  of the float32 model measured in the same process before and after, the engine's time
+  split (prefill, decode, env and the rest) and its mean batch rows; the profile that says
+  what bounds the ratio.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ from bench_local_backend import bench_decode_steps, gymnasium_opening, load, one
 from harness import RESULTS, Result
 
 from agent_gym.render import ChatRenderer
+from agent_gym_train.backends import SAMPLER_PRECISIONS
 from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.backends.runtime import native_bf16, sampler_dtype
 from agent_gym_train.backends.sampler import LocalSamplingClient
 
-KV_BYTES_PER_POSITION = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M, float32
+KV_VALUES_PER_POSITION = 30 * 3 * 64 * 2  # SmolLM2-135M: layers x KV heads x dims x (k, v)
 # a new token attends to every position: q.k and the weighted sum of values, 9 heads x 64
 # dims x 2 flops each, in 30 layers
 ATTENTION_FLOPS_PER_POSITION = 30 * 9 * 64 * 2 * 2
@@ -56,10 +63,10 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
     return data.numel() * 4 / best
 
 
-def matmul_flops(repeats: int = 5, size: int = 1024) -> float:
-    """Floating-point operations per second of one thread on a large float32 matrix
-    product (best of ``repeats``): the compute roof."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_flops(dtype: torch.dtype, repeats: int = 5, size: int = 1024) -> float:
+    """Floating-point operations per second of one thread on a large matrix product in
+    ``dtype`` (best of ``repeats``): the compute roof."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -84,13 +91,14 @@ def bench_decode(service: LocalServiceClient, bandwidth: float, flops: float) ->
     base = service.create_sampling_client("smollm2")
     weights = weight_bytes(base.model)
     params = sum(p.numel() for p in {p.data_ptr(): p for p in base.model.parameters()}.values())
+    kv_bytes = KV_VALUES_PER_POSITION * service.sampler_dtype.itemsize
     out: dict[str, Any] = {"weight_bytes": weights, "parameters": params,
-                           "kv_bytes_per_position": KV_BYTES_PER_POSITION}
+                           "kv_bytes_per_position": kv_bytes}
     for shape, figures in steps.items():
         if "x" not in shape:
             continue
         rows, context = (int(part) for part in shape.split("x"))
-        memory = (weights + rows * context * KV_BYTES_PER_POSITION) / bandwidth
+        memory = (weights + rows * context * kv_bytes) / bandwidth
         work = rows * (2 * params + ATTENTION_FLOPS_PER_POSITION * context) / flops
         bound = max(memory, work)
         out[shape] = {**figures, "memory_bound_ms": round(memory * 1000, 1),
@@ -99,12 +107,13 @@ def bench_decode(service: LocalServiceClient, bandwidth: float, flops: float) ->
     return out
 
 
-def bench_grpo_step() -> dict[str, Any]:
+def bench_grpo_step(precision: str) -> dict[str, Any]:
     from agent_gym_train.grpo import Args, train
 
     with tempfile.TemporaryDirectory() as tmp:
-        service = LocalServiceClient(checkpoint_dir=Path(tmp) / "ck", device="cpu", threads=1)
-        base = service.create_sampling_client("smollm2")
+        base = LocalServiceClient(device="cpu", threads=1).create_sampling_client("smollm2")
+        service = LocalServiceClient(checkpoint_dir=Path(tmp) / "ck", device="cpu", threads=1,
+                                     sampler_precision=precision)
         renderer = ChatRenderer(base.tokenizer)
         opening = gymnasium_opening("agent_gym/ALFWorld-v0", {"protocol": "text"})
         prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
@@ -119,7 +128,8 @@ def bench_grpo_step() -> dict[str, Any]:
         service.make_sampler = keep  # type: ignore[method-assign]
         args = Args(env_id="agent_gym/ALFWorld-v0", env_kwargs={"protocol": "text"}, steps=1,
                     batch_size=4, group_size=8, max_turns=6, max_tokens=48,
-                    out=str(Path(tmp) / "run"), progress=False, save_every=1)
+                    out=str(Path(tmp) / "run"), progress=False, save_every=1,
+                    sampler_precision=precision)
         row = train(args, service)[0]
         after = one_row_generate(base, prompt, 32)
     stats = engines[0].stats
@@ -129,7 +139,7 @@ def bench_grpo_step() -> dict[str, Any]:
     return {
         "command": "agent-gym train grpo --env-id agent_gym/ALFWorld-v0 --env-kwargs "
                    "'{\"protocol\": \"text\"}' --batch-size 4 --group-size 8 --max-turns 6 "
-                   "--max-tokens 48 --steps 1 --threads 1",
+                   f"--max-tokens 48 --steps 1 --threads 1 --sampler-precision {precision}",
         "sampled_tokens": row["sampled_tokens"], "episodes": row["episodes"],
         "turns_mean": row["turns_mean"], "rollout_seconds": round(rollout, 1),
         "rollout_tok_s": round(row["sampled_tokens"] / rollout, 2),
@@ -155,17 +165,23 @@ def main() -> int:
     parser.add_argument("--out", default=str(RESULTS / "sampling.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    precisions = [p for p in SAMPLER_PRECISIONS if p == "float32" or native_bf16(cpu)]
     result = Result()
     bandwidth = read_bandwidth()
-    flops = matmul_flops()
+    flops = {p: matmul_flops(sampler_dtype(p, cpu)) for p in precisions}
     result.figures["roofs"] = {"read_gb_s_one_thread": round(bandwidth / 1e9, 2),
-                               "matmul_gflop_s_one_thread": round(flops / 1e9, 1)}
+                               **{f"matmul_gflop_s_one_thread_{p}": round(f / 1e9, 1)
+                                  for p, f in flops.items()}}
     print(result.figures, file=sys.stderr, flush=True)
-    service = LocalServiceClient(device="cpu", threads=1)
-    result.figures["decode"] = bench_decode(service, bandwidth, flops)
-    result.write(args.out)
-    result.figures["grpo_step"] = bench_grpo_step()
-    result.write(args.out)
+    result.figures["decode"], result.figures["grpo_step"] = {}, {}
+    for precision in precisions:
+        service = LocalServiceClient(device="cpu", threads=1, sampler_precision=precision)
+        result.figures["decode"][precision] = bench_decode(service, bandwidth, flops[precision])
+        result.write(args.out)
+    for precision in precisions:
+        result.figures["grpo_step"][precision] = bench_grpo_step(precision)
+        result.write(args.out)
     print(result.figures, file=sys.stderr)
     return 0
 

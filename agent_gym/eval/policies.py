@@ -24,8 +24,9 @@ Specs for the command line:
 The sampler policies (``local``, ``pytrio``) need torch or the PyTRIO SDK, which this
 package does not depend on: another installed package supplies them under the
 ``agent_gym.policies`` entry-point group, one entry per spec prefix, each a callable
-``(spec, *, seed, max_tokens, temperature, device, threads) -> Policy`` (``device`` and
-``threads`` place a local model; remote samplers ignore them). The bundled ``agent_gym_train``
+``(spec, *, seed, max_tokens, temperature, device, threads, precision) -> Policy``
+(``device``, ``threads`` and ``precision``, the dtype of the sampler's weights, place a
+local model; remote samplers ignore them). The bundled ``agent_gym_train``
 package registers both.
 
 A prompt longer than the policy's context is an outcome of the episode, not a failure of
@@ -464,6 +465,7 @@ def plugin_policies() -> dict[str, PolicyBuilder]:
 def make_policy(
     spec: str, *, seed: int = 0, max_tokens: int = 256, temperature: float = 0.0,
     timeout: float = 60.0, device: str = "auto", threads: int | None = None,
+    precision: str = "float32",
 ) -> Policy:
     """Build a policy from a command-line spec (see the module docstring); ``timeout`` is
     an ``openai:`` policy's HTTP timeout in seconds."""
@@ -487,6 +489,6 @@ def make_policy(
     if prefix in plugins:
         builder = plugins[prefix]()
         return builder(spec, seed=seed, max_tokens=max_tokens, temperature=temperature,
-                       device=device, threads=threads)
+                       device=device, threads=threads, precision=precision)
     known = ["oracle", "random", "openai:MODEL@URL", *(f"{name}[:MODEL]" for name in plugins)]
     raise ValueError(f"unknown policy {spec!r}; use one of: {', '.join(known)}")

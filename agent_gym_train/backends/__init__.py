@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("local", "pytrio")
+# The dtypes a local sampler may hold its weights in (``runtime.sampler_dtype``).
+SAMPLER_PRECISIONS = ("float32", "bfloat16")
 
 
 def make_service(
@@ -16,19 +18,21 @@ def make_service(
     device: str = "auto",
     threads: int | None = None,
     activation_checkpointing: bool = False,
+    sampler_precision: str = "float32",
 ) -> Any:
     """A service client: ``LocalServiceClient`` or an authenticated ``pytrio.ServiceClient``.
 
-    ``device`` and ``threads`` place the local backend (``agent_gym_train.backends.runtime``) and
-    ``activation_checkpointing`` trades its learner time for memory; the remote service
-    decides its own hardware. Imported lazily: the local backend pulls in
-    torch, the remote one a network session.
+    ``device`` and ``threads`` place the local backend (``agent_gym_train.backends.runtime``),
+    ``activation_checkpointing`` trades its learner time for memory and ``sampler_precision``
+    its samplers' exactness for speed; the remote service decides its own hardware.
+    Imported lazily: the local backend pulls in torch, the remote one a network session.
     """
     if backend == "local":
         from agent_gym_train.backends.local import LocalServiceClient
 
         return LocalServiceClient(checkpoint_dir=checkpoint_dir, device=device, threads=threads,
-                                  activation_checkpointing=activation_checkpointing)
+                                  activation_checkpointing=activation_checkpointing,
+                                  sampler_precision=sampler_precision)
     if backend == "pytrio":
         from agent_gym_train.backends.pytrio import connect
 

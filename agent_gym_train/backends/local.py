@@ -27,7 +27,6 @@ prompt once per call, whatever microbatches they fall into
 from __future__ import annotations
 
 import asyncio
-import copy
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -70,11 +69,13 @@ from agent_gym_train.backends.runtime import (
     autocast,
     resolve_device,
     return_freed_memory,
+    sampler_dtype,
 )
 from agent_gym_train.backends.sampler import (
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_ROWS,
     LocalSamplingClient,
+    sampling_copy,
 )
 from agent_gym_train.episode import IGNORE_TARGET
 from agent_gym_train.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
@@ -109,6 +110,11 @@ class LocalServiceClient:
             third of the peak memory and about 1.4x the learner's time (SmolLM2-135M on a CPU).
         sampler_max_rows / kv_cache_bytes / scoring_cache_bytes: each sampler's batch size
             and the memory of its two prefix caches (see ``LocalSamplingClient``).
+        sampler_precision: ``float32`` (samplers hold the learner's exact weights, so an
+            on-policy importance ratio is 1) or ``bfloat16`` (a rounded copy, faster to
+            decode where the hardware has bf16 units: ``runtime.sampler_dtype``; the sampled
+            tokens' logprobs are the copy's, so the learner's ratio to them corrects the
+            rounding as it corrects staleness: ``Objective.truncated``).
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class LocalServiceClient:
         sampler_max_rows: int = DEFAULT_MAX_ROWS,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         scoring_cache_bytes: int | None = None,
+        sampler_precision: str = "float32",
     ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir or cache_dir() / "checkpoints")
         self.device = resolve_device(device)
@@ -139,6 +146,7 @@ class LocalServiceClient:
         self.sampler_max_rows = sampler_max_rows
         self.kv_cache_bytes = kv_cache_bytes
         self.scoring_cache_bytes = scoring_cache_bytes
+        self.sampler_dtype = sampler_dtype(sampler_precision, self.device)
 
     def make_sampler(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, model_id: str
@@ -179,7 +187,7 @@ class LocalServiceClient:
     ) -> LocalSamplingClient:
         if model_path is None:
             tokenizer = load_tokenizer(base_model)
-            model = load_model(base_model, tokenizer).to(self.device)
+            model = load_model(base_model, tokenizer).to(self.device, self.sampler_dtype)
             return self.make_sampler(model, tokenizer, base_model)
         setup = read_setup(model_path)
         if setup.base_model != base_model:
@@ -516,14 +524,9 @@ class LocalTrainingClient:
 
     # ----------------------------------------------------------------- sampling
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> LocalSamplingClient:
-        """A sampler on a frozen copy of the current weights.
-
-        LoRA stays unmerged: with tied embeddings, merging the ``lm_head`` adapter would
-        also change the input embedding the trained model does not change.
-        """
-        snapshot = copy.deepcopy(self.model)
-        for parameter in snapshot.parameters():
-            parameter.grad = None
+        """A sampler on a frozen copy of the current weights (``sampling_copy``), in the
+        service's sampler precision."""
+        snapshot = sampling_copy(self.model, self._service.sampler_dtype)
         return self._service.make_sampler(snapshot, self.tokenizer, self.model_id)
 
     def create_sampling_client(self, model_path: str) -> LocalSamplingClient:

@@ -3,9 +3,12 @@
 * **Device** (``resolve_device``): ``auto`` picks CUDA when available, then Apple's MPS, else
   the CPU; ``cpu``, ``cuda``, ``cuda:N`` and ``mps`` are taken as given (and checked).
 * **Precision** (``compute_dtype`` / ``autocast``): weights stay float32 (the optimizer's
-  master copy); matrix products run in bfloat16 under autocast where the device does them
-  natively (CUDA with bf16 support). On CPU without bf16 units and on MPS they stay float32.
-  Logprobs and losses are always computed in float32.
+  master copy); the learner's matrix products run in bfloat16 under autocast on CUDA with
+  bf16 support, and stay float32 on CPU and MPS. Logprobs and losses are always computed in
+  float32. A sampler may hold its own bfloat16 copy of the weights (``sampler_dtype``):
+  decoding reads every weight per token, so half the bytes is up to half the time, and
+  where the hardware multiplies bf16 natively (``native_bf16``: CUDA, or a CPU with AMX or
+  AVX-512 BF16 units) the products are faster too.
 * **Threads** (``default_threads`` / ``apply_threads``): torch's intra-op pool defaults to
   every core, and on a shared machine that oversubscribes: measured on a loaded 2-core box,
   torch's default 2 threads ran 2.3-4x slower than 1 thread at one row and 8-13x slower at 8
@@ -29,8 +32,11 @@ import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from agent_gym_train.backends import SAMPLER_PRECISIONS
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 THREADS_ENV = "AGENT_GYM_THREADS"
@@ -96,6 +102,47 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+# /proc/cpuinfo flags of x86 units that multiply bfloat16 natively (Intel AMX, AVX-512 BF16).
+CPU_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 in hardware; elsewhere torch emulates it, more
+    slowly than float32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return bool(CPU_BF16_FLAGS & _cpu_flags())
+    return False
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:  # not Linux: no flags known, so no native bf16 assumed
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def sampler_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of a sampler's copy of the weights: ``float32`` | ``bfloat16``, the latter
+    only where ``device`` has it natively (a clear error, not a silently slower sampler)."""
+    if precision not in SAMPLER_PRECISIONS:
+        raise ValueError(f"sampler precision {precision!r} is not one of "
+                         f"{', '.join(SAMPLER_PRECISIONS)}")
+    if precision == "float32":
+        return torch.float32
+    if not native_bf16(device):
+        raise ValueError(f"bfloat16 sampling asked for, but {device.type} here has no native "
+                         "bfloat16 units (needs CUDA with bf16, or a CPU with AMX or "
+                         "AVX-512 BF16); it would sample slower than float32")
+    return torch.bfloat16
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import torch
 from pytrio import AdamParams, Datum, ModelInput, SamplingParams
 from pytrio.errors.base import ValidationError
 
+from agent_gym_train.backends import runtime
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
 from agent_gym_train.models import ModelSpecError
 
@@ -200,6 +201,61 @@ def test_lora_trains_only_adapters_and_sampler_is_a_snapshot(service: LocalServi
     assert first.compute_logprobs(prompt).result() == base  # the old sampler did not move
     trained = lora.save_weights_and_get_sampling_client().compute_logprobs(prompt).result()
     assert trained[1:] != pytest.approx(base[1:], abs=1e-4)
+
+
+needs_cpu_bf16 = pytest.mark.skipif(
+    not runtime.native_bf16(torch.device("cpu")), reason="this CPU has no bf16 units")
+
+
+@needs_cpu_bf16
+def test_bfloat16_sampler_merges_the_adapters_into_rounded_weights(tmp_path: Path) -> None:
+    """A bfloat16 sampler on trained LoRA weights: one rounded weight per layer, the head
+    untied from an embedding left as it was, and logprobs within bf16 rounding of the
+    float32 sampler's on the same weights."""
+    exact = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1)
+    lora = exact.create_lora_training_client("tiny", rank=4, seed=1)
+    for _ in range(3):
+        lora.forward_backward(make_datums(lora.model), "importance_sampling").result()
+        lora.optim_step(AdamParams(learning_rate=1e-2)).result()
+    prompt = ModelInput.from_ints(TOKENS[0] + TOKENS[1])
+    want = lora.save_weights_and_get_sampling_client().compute_logprobs(prompt).result()
+    path = lora.save_state("trained").result().path
+    rounded = LocalServiceClient(checkpoint_dir=tmp_path, device="cpu", threads=1,
+                                 sampler_precision="bfloat16").create_sampling_client("tiny", path)
+    names = [name for name, _ in rounded.model.named_parameters()]
+    assert names and not any("lora_" in name for name in names)
+    assert {p.dtype for p in rounded.model.parameters()} == {torch.bfloat16}
+    embedding = rounded.model.get_input_embeddings().weight
+    assert rounded.model.get_output_embeddings().weight is not embedding
+    base = lora.model.get_base_model().get_input_embeddings().weight
+    assert torch.equal(embedding, base.detach().bfloat16())
+    got = rounded.compute_logprobs(prompt).result()
+    assert got[0] is None and len(got) == len(want)
+    assert got[1:] != want[1:]  # rounded, so not the same numbers
+    assert got[1:] == pytest.approx(want[1:], abs=0.05)
+    sampled = rounded.sample(ModelInput.from_ints(TOKENS[0]), 3,
+                             SamplingParams(max_tokens=5, seed=2)).result()
+    for sequence in sampled.sequences:
+        scored = rounded.compute_logprobs(ModelInput.from_ints(TOKENS[0] + sequence.tokens))
+        assert sequence.logprobs == pytest.approx(scored.result()[len(TOKENS[0]):], abs=0.05)
+    # the learner itself stays float32
+    assert {p.dtype for p in lora.model.parameters()} == {torch.float32}
+
+
+def test_sampler_precision_is_checked_against_the_hardware(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="not one of float32, bfloat16"):
+        runtime.sampler_dtype("float16", cpu)
+    assert runtime.sampler_dtype("float32", cpu) == torch.float32
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert not runtime.native_bf16(cpu)
+    with pytest.raises(ValueError, match="no native bfloat16 units"):
+        LocalServiceClient(device="cpu", threads=1, sampler_precision="bfloat16")
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert runtime.sampler_dtype("bfloat16", cpu) == torch.bfloat16
+    assert not runtime.native_bf16(torch.device("mps"))
 
 
 def test_sampling_logprobs_stop_reasons_and_seed(full: LocalTrainingClient) -> None:

@@ -15,6 +15,7 @@ from pytrio import Datum
 
 from agent_gym_train import grpo
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
+from agent_gym_train.backends.runtime import native_bf16
 from agent_gym_train.clients import VersionedSampler
 from agent_gym_train.episode import build_datum
 from agent_gym_train.grpo import degenerate, train
@@ -31,10 +32,12 @@ class RecordingTraining:
     def __init__(self, client: LocalTrainingClient) -> None:
         self.client = client
         self.trained: list[list[Datum]] = []
+        self.losses: list[tuple[Any, ...]] = []  # forward_backward's loss and its config
         self.before_update: Callable[[int], None] | None = None
 
     def forward_backward(self, data: list[Datum], *args: Any, **kwargs: Any) -> Any:
         self.trained.append(list(data))
+        self.losses.append(args)
         return self.client.forward_backward(data, *args, **kwargs)
 
     def forward_backward_custom(self, data: list[Datum], *args: Any, **kwargs: Any) -> Any:
@@ -53,8 +56,9 @@ class RecordingTraining:
 class RecordingService(LocalServiceClient):
     """The local backend whose training clients record what they train."""
 
-    def __init__(self, out: Path) -> None:
-        super().__init__(checkpoint_dir=out, device="cpu", threads=1)
+    def __init__(self, out: Path, sampler_precision: str = "float32") -> None:
+        super().__init__(checkpoint_dir=out, device="cpu", threads=1,
+                         sampler_precision=sampler_precision)
         self.training: list[RecordingTraining] = []
 
     def create_full_training_client(self, *args: Any, **kwargs: Any) -> Any:
@@ -240,3 +244,22 @@ def test_staleness_options_are_checked() -> None:
         grpo.parse_args(["--max-staleness", "1", "--max-importance-weight", "0.5"])
     with pytest.raises(ValueError, match="not be negative"):
         RolloutPipeline(FakeRun(0, 1), lambda step, policy: step, -1)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="this CPU has no bf16 units")
+def test_a_bfloat16_sampler_trains_importance_sampling_truncated(
+    toy_model: str, tmp_path: Path  # noqa: F811
+) -> None:
+    """Rollouts from a bfloat16 copy carry that copy's logprobs, off the learner's by the
+    rounding: importance_sampling trains truncated (cispo on [0, 2]) exactly as with stale
+    data, while float32 sampling keeps the plain loss."""
+    truncated = ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 2.0})
+    for precision, want in (("bfloat16", truncated), ("float32", ("importance_sampling", None))):
+        service = RecordingService(tmp_path / precision / "checkpoints", precision)
+        history = train(toy_args(toy_model, tmp_path / precision / "run", steps=2,
+                                 batch_size=3, group_size=4, dynamic_sampling=False,
+                                 loss="importance_sampling", sampler_precision=precision),
+                        service)
+        (training,) = service.training
+        assert training.losses and all(loss == want for loss in training.losses), precision
+        assert all(row["loss"] is not None for row in history if row["datums"])

@@ -148,3 +148,28 @@ def test_a_checkpoint_is_named_as_init_from_names_it_and_a_bad_one_is_one_line(
     assert err.strip().splitlines() == [
         f"agent-gym eval: error: --policy local:tiny@{missing}: {missing} is not a local "
         "checkpoint (no meta.json)"], err
+
+
+def test_eval_runs_a_bfloat16_local_policy_where_the_cpu_has_bf16_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--sampler-precision bfloat16`` reaches the local policy's weights, and a CPU without
+    bf16 units refuses it in one line rather than sampling slower than float32."""
+    import torch
+
+    from agent_gym.cli.main import main
+    from agent_gym_train.backends import runtime
+
+    out = tmp_path / "eval"
+    argv = ["eval", GSM8K, "--policy", "local:tiny", "--episodes", "2", "--max-tokens", "4",
+            "--threads", "1", "--sampler-precision", "bfloat16", "--quiet", "--out", str(out)]
+    if runtime.native_bf16(torch.device("cpu")):
+        policy = make_policy("local:tiny", max_tokens=4, threads=1, precision="bfloat16")
+        assert {p.dtype for p in policy.client.model.parameters()} == {torch.bfloat16}
+        assert main(argv) == 0
+        assert json.loads((out / "summary.json").read_text())["episodes"] == 2
+    monkeypatch.setattr(runtime, "_cpu_flags", lambda: frozenset({"avx2"}))
+    capsys.readouterr()
+    assert main([*argv[:-1], str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no native bfloat16 units" in err[0], err
