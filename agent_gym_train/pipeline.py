@@ -56,11 +56,15 @@ def max_staleness_option() -> int:
                      "most N updates old (0: wait for each update, the synchronous loop)")
 
 
+MAX_IMPORTANCE_WEIGHT = 2.0  # the default bound of ``Objective.truncated``
+
+
 def max_importance_weight_option() -> float:
     """``--max-importance-weight``: the bound of ``Objective.truncated``."""
-    return option(2.0, "with --max-staleness or --sampler-precision bfloat16: the largest "
-                       "importance weight of a token under --loss importance_sampling "
-                       "(truncated importance sampling)")
+    return option(MAX_IMPORTANCE_WEIGHT,
+                  "with --max-staleness or --sampler-precision bfloat16: the largest "
+                  "importance weight of a token under --loss importance_sampling "
+                  "(truncated importance sampling)")
 
 
 def off_policy_objective(run: Run, max_staleness: int, max_importance_weight: float

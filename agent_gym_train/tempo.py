@@ -85,6 +85,7 @@ from agent_gym_train.clients import Sampler, ServiceClient
 from agent_gym_train.critic import READOUTS, Critic, CriticSample, gather_values
 from agent_gym_train.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
 from agent_gym_train.options import option
+from agent_gym_train.pipeline import MAX_IMPORTANCE_WEIGHT, off_policy_objective
 from agent_gym_train.rollout import RolloutConfig, rollout_groups, rollout_metrics
 from agent_gym_train.run import Run, device_defaults, final_line, open_run
 from agent_gym_train.runfiles import Metrics, RunConfigError
@@ -274,7 +275,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             t1 = time.perf_counter()
 
             # ---- one update on actor and critic datums together
-            trained = run.update(batch.datums, supervised=batch.supervised)
+            trained = run.update(batch.datums, supervised=batch.supervised,
+                                 objective=off_policy_objective(run, 0, MAX_IMPORTANCE_WEIGHT))
             t2 = time.perf_counter()
             evicted = store.add(batch.states)
 

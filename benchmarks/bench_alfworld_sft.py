@@ -11,11 +11,12 @@ Every stage is a project command, and each resumes where it stopped (rerun with 
    SmolLM2-135M, LoRA r32, demonstrations up to 4096 tokens.
 3. ``agent-gym eval`` of the base model and of the SFT checkpoint on the first
    ``--held-out`` games of ``large_test`` (240 games on ALFRED's held-out floor plans only,
-   none shared with the train set): text protocol, greedy, 48-token replies, 15 turns.
+   none shared with the train set): text protocol, greedy, 48-token replies, 15 turns,
+   both sampled from a bfloat16 copy of the weights where the CPU has bf16 units.
 4. ``agent-gym compare`` of the two: paired by game, the difference in success with
    Newcombe's paired 95% interval.
 
-Everything on one torch thread per process (the base eval runs beside the SFT).
+The evals run on one torch thread each (the base eval beside the SFT), the SFT on two.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -36,6 +39,7 @@ from harness import RESULTS, Result  # noqa: E402
 
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
+from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
 
 ENV_ID = "agent_gym/ALFWorld-v0"
 MAX_TOKENS, MAX_TURNS = 48, 15
@@ -46,11 +50,12 @@ def agent_gym(*args: str) -> list[str]:
     return [sys.executable, "-m", "agent_gym.cli", *args]
 
 
-def held_out_eval(policy: str, out: Path, games: int) -> list[str]:
+def held_out_eval(policy: str, out: Path, games: int, precision: str) -> list[str]:
     return agent_gym("eval", ENV_ID, "--policy", policy, "--episodes", str(games), "--split",
                      "large_test", "--env-arg", "protocol=text", "--env-arg",
                      f"max_turns={MAX_TURNS}", "--max-tokens", str(MAX_TOKENS),
-                     "--concurrency", "8", "--quiet", "--out", str(out))
+                     "--concurrency", "8", "--sampler-precision", precision, "--quiet",
+                     "--out", str(out))
 
 
 def summary(run: Path) -> dict[str, Any]:
@@ -76,28 +81,31 @@ def main() -> int:
                              str(args.demos), "--split", "large_train", "--env-arg",
                              "protocol=text", "--quiet", "--out", str(oracle)),
                    check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
-    base = subprocess.Popen(held_out_eval("local:smollm2", base_eval, args.held_out), env=ENV,
-                            cwd=ROOT, stdout=subprocess.DEVNULL)
+    precision = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
+    base = subprocess.Popen(held_out_eval("local:smollm2", base_eval, args.held_out, precision),
+                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
     sft_command = [sys.executable, "-m", "agent_gym_train.sft", "--env-id", ENV_ID,
                    "--env-kwargs", json.dumps({"protocol": "text", "split": "large_train"}),
                    "--demos", str(oracle), "--preset", "cpu-demo",
-                   "--max-trajectory-tokens", "4096", "--threads", "1", "--out", str(sft),
+                   "--max-trajectory-tokens", "4096", "--threads", "2", "--out", str(sft),
                    "--no-progress"]
     subprocess.run(sft_command, check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
     checkpoint = json.loads((sft / "checkpoint.json").read_text())["path"]
-    subprocess.run(held_out_eval(f"local:smollm2@{checkpoint}", sft_eval, args.held_out),
-                   check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
+    subprocess.run(held_out_eval(f"local:smollm2@{checkpoint}", sft_eval, args.held_out,
+                                 precision), check=True, env=ENV, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
     if base.wait() != 0:
         raise SystemExit("the base model's eval failed")
     paired = compare([read_run(base_eval)], [read_run(sft_eval)], "base", "sft").overall
     demos = json.loads((sft / "demonstrations.json").read_text())
     result.figures |= {
         "env_id": ENV_ID, "protocol": "text", "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
-        "decoding": "greedy", "demonstrations": demos,
+        "decoding": "greedy", "sampler_precision": precision, "demonstrations": demos,
         "commands": {"demos": f"agent-gym eval {ENV_ID} --policy oracle --episodes "
                               f"{args.demos} --split large_train --env-arg protocol=text",
                      "sft": " ".join(sft_command[2:]),
-                     "eval": " ".join(held_out_eval("POLICY", Path("OUT"), args.held_out)[2:]),
+                     "eval": " ".join(held_out_eval("POLICY", Path("OUT"), args.held_out,
+                                                    precision)[2:]),
                      "compare": "agent-gym compare BASE_EVAL SFT_EVAL"},
         "base": summary(base_eval), "sft": summary(sft_eval),
         "paired_difference": {"sft_minus_base": round(paired.difference, 3),

@@ -11,16 +11,20 @@ procedure, not in facts. Every stage is a project command and resumes where it s
    demonstrations.
 2. ``agent-gym train sft --preset cpu-demo`` on them (one epoch at 1e-3, LoRA r32).
 3. ``agent-gym train grpo --init-from SFT`` per seed on the train split: ``--steps``
-   updates of 4 tasks x 8 branches (48-token replies, 4 turns), the task sampler that
-   prefers tasks with mixed outcomes (``--task-sampler mixed``: more non-degenerate groups
-   than uniform draws at equal CPU time, ``benchmarks/results/task_sampler.json``),
-   rollouts from a bfloat16 copy where the CPU has bf16 units (``--sampler-precision``).
+   updates of 4 tasks x 8 branches (48-token replies, 4 turns) at learning rate 1e-4 (at
+   which an earlier GRPO run from SFT raised its training reward from 0 to 0.75 in 12
+   steps, ``benchmarks/results/learning.json``), the task sampler that prefers tasks with
+   mixed outcomes (``--task-sampler mixed``: more non-degenerate groups than uniform draws
+   at equal CPU time, ``benchmarks/results/task_sampler.json``), rollouts from a bfloat16
+   copy where the CPU has bf16 units (``--sampler-precision``).
 4. ``agent-gym eval`` of the SFT checkpoint and of each GRPO run on all 250 test questions,
-   greedy, and ``agent-gym compare`` of each GRPO run against SFT, paired by question.
+   greedy, 48-token replies and 4 turns as in training, and ``agent-gym compare`` of each
+   GRPO run against SFT, paired by question.
 
-Two processes at a time, one torch thread each (two seeds train side by side; two evals run
-side by side). Wall-clock and CPU seconds of each stage are those of the invocation that
-ran it, kept in ``WORK/timings.json``.
+One torch thread per process: the GRPO seeds train side by side (three processes share the
+two cores rather than leave one idle while a third seed runs alone), then the evals two at
+a time. Wall-clock and CPU seconds of each stage are those of the invocation that ran it,
+kept in ``WORK/timings.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
 ENV_ID = "agent_gym/Search-v0"
 DATASET = "world-large"
 HELD_OUT = 250
-MAX_TOKENS = 48
+MAX_TOKENS, MAX_TURNS = 48, 4  # what --preset cpu-demo trains GRPO with
 
 
 def env_args(split: str) -> list[str]:
@@ -59,7 +63,8 @@ def env_args(split: str) -> list[str]:
 
 def held_out_eval(policy: str, out: Path, precision: str) -> list[str]:
     return agent_gym("eval", ENV_ID, "--policy", policy, "--episodes", str(HELD_OUT),
-                     *env_args("test"), "--max-tokens", str(MAX_TOKENS), "--concurrency", "8",
+                     *env_args("test"), "--env-arg", f"max_turns={MAX_TURNS}",
+                     "--max-tokens", str(MAX_TOKENS), "--concurrency", "8",
                      "--sampler-precision", precision, "--quiet", "--out", str(out))
 
 
@@ -67,7 +72,8 @@ def grpo_command(sft: Path, out: Path, seed: int, steps: int, precision: str) ->
     return [sys.executable, "-m", "agent_gym_train.grpo", "--env-id", ENV_ID,
             "--env-kwargs", json.dumps({"dataset": DATASET, "split": "train"}),
             "--init-from", str(sft), "--preset", "cpu-demo", "--batch-size", "4",
-            "--group-size", "8", "--task-sampler", "mixed", "--steps", str(steps),
+            "--group-size", "8", "--learning-rate", "1e-4", "--task-sampler", "mixed",
+            "--steps", str(steps),
             "--seed", str(seed), "--sampler-precision", precision, "--save-every", "1",
             "--threads", "1", "--out", str(out), "--no-progress"]
 
@@ -83,20 +89,21 @@ def eval_done(run: Path, episodes: int) -> bool:
 
 
 class Stages:
-    """Runs commands two at a time, skipping those already done, and keeps each stage's
-    wall-clock and CPU seconds (children's user + system) in ``timings.json``."""
+    """Runs a stage's commands a few at a time and keeps each stage's wall-clock and CPU
+    seconds (children's user + system) in ``timings.json``."""
 
     def __init__(self, work: Path) -> None:
         self.file = work / "timings.json"
         self.timings: dict[str, dict[str, float]] = (
             json.loads(self.file.read_text()) if self.file.is_file() else {})
 
-    def run(self, name: str, commands: Sequence[tuple[str, list[str]]]) -> None:
-        """Run ``commands`` (label, argv) side by side, two at a time, as stage ``name``."""
+    def run(self, name: str, commands: Sequence[tuple[str, list[str]]], at_once: int = 2
+            ) -> None:
+        """Run ``commands`` (label, argv) as stage ``name``, ``at_once`` side by side."""
         if not commands:
             return
         started, cpu = time.perf_counter(), _children_cpu()
-        for pair in (commands[i:i + 2] for i in range(0, len(commands), 2)):
+        for pair in (commands[i:i + at_once] for i in range(0, len(commands), at_once)):
             running = [(label, subprocess.Popen(argv, env=ENV, cwd=ROOT,
                                                 stdout=subprocess.DEVNULL))
                        for label, argv in pair]
@@ -144,7 +151,8 @@ def main() -> int:
     stages.run("sft", [("sft", sft_command)])  # a finished run only loads and exits
     stages.run("grpo", [(f"grpo seed {seed}",
                          grpo_command(sft, grpo[seed], seed, args.steps, precision))
-                        for seed in args.seeds if checkpoint_step(grpo[seed]) < args.steps])
+                        for seed in args.seeds if checkpoint_step(grpo[seed]) < args.steps],
+               at_once=len(args.seeds))
     evals = [("sft", held_out_eval(f"local:smollm2@{sft}", sft_eval, precision), sft_eval),
              *((f"grpo seed {seed}", held_out_eval(f"local:smollm2@{grpo[seed]}",
                                                    grpo_eval[seed], precision), grpo_eval[seed])
@@ -166,7 +174,8 @@ def main() -> int:
                      "sft", "grpo").overall
     result.figures |= {
         "env_id": ENV_ID, "dataset": DATASET, "held_out_questions": HELD_OUT,
-        "max_tokens": MAX_TOKENS, "decoding": "greedy", "sampler_precision": precision,
+        "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS, "decoding": "greedy",
+        "sampler_precision": precision,
         "demonstrations": args.demos, "grpo_steps": args.steps,
         "commands": {
             "demos": f"agent-gym eval {ENV_ID} --policy oracle --episodes {args.demos} "

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,8 @@ from agent_gym_train.backends.runtime import native_bf16
 from agent_gym_train.clients import VersionedSampler
 from agent_gym_train.episode import build_datum
 from agent_gym_train.grpo import degenerate, train
-from agent_gym_train.pipeline import RolloutPipeline
+from agent_gym_train.losses import Objective
+from agent_gym_train.pipeline import RolloutPipeline, off_policy_objective
 from agent_gym_train.rollout import rollout_step, run_rollout_config
 from agent_gym_train.run import device_defaults, open_run
 from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
@@ -263,3 +265,19 @@ def test_a_bfloat16_sampler_trains_importance_sampling_truncated(
         (training,) = service.training
         assert training.losses and all(loss == want for loss in training.losses), precision
         assert all(row["loss"] is not None for row in history if row["datums"])
+
+
+@pytest.mark.parametrize(("staleness", "precision", "truncated"), [
+    (0, "float32", False), (1, "float32", True), (0, "bfloat16", True), (2, "bfloat16", True)])
+def test_samples_from_other_weights_train_truncated(
+    staleness: int, precision: str, truncated: bool
+) -> None:
+    """Every trainer asks ``off_policy_objective``: data from older weights or from a
+    rounded copy trains importance_sampling truncated; exact on-policy data does not, and a
+    loss that clips its own ratio is left as it is."""
+    plain = Objective("importance_sampling")
+    run = SimpleNamespace(args=SimpleNamespace(sampler_precision=precision), objective=plain)
+    got = off_policy_objective(run, staleness, 1.5)  # type: ignore[arg-type]
+    assert got == (plain.truncated(1.5) if truncated else plain)
+    run.objective = Objective("ppo")
+    assert off_policy_objective(run, staleness, 1.5) == Objective("ppo")  # type: ignore[arg-type]
