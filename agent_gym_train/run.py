@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,8 @@ class Run:
     bar: tqdm | None = field(default=None, repr=False)
     _journal: Journal | None = field(default=None, repr=False)
     _checkpoints: dict[int, str] | None = field(default=None, repr=False)
+    # This process's CPU seconds (every thread's) when the last metrics line was written.
+    _cpu_mark: float = field(default_factory=time.process_time, repr=False)
 
     def checkpoints(self) -> dict[int, str]:
         """Backend paths of this run's latest checkpoints, by the step they complete (the
@@ -190,7 +193,14 @@ class Run:
         checkpoint: weights, optimizer, ``store`` if given, and ``checkpoint.json`` last,
         so a kill at any point leaves the previous checkpoint whole. ``shown`` goes on the
         progress bar, with what the step trained; steps in a row that trained nothing get
-        a warning that names the likely cause."""
+        a warning that names the likely cause.
+
+        Every line gets ``cpu_step``: the CPU seconds this process spent (all its threads)
+        since the previous line, so runs that share a machine compare at equal CPU, not at
+        equal wall-clock (a continued run's first line counts from its start)."""
+        now = time.process_time()
+        row = {**row, "cpu_step": now - self._cpu_mark}
+        self._cpu_mark = now
         append_metrics(self.out / METRICS_FILE, row)
         self.idle_steps = 0 if trained_datums(row) else self.idle_steps + 1
         if self.bar is not None:

@@ -1,6 +1,6 @@
 """Does SFT on ALFWorld walkthroughs beat the base model on held-out games?
 
-    python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 60] [--held-out 100]
+    python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 60] [--held-out 100] [--sft-until]
 
 Every stage is a project command, and each resumes where it stopped (rerun with the same
 ``--work`` to continue or to only rewrite the result file):
@@ -70,6 +70,9 @@ def main() -> int:
                         help="where the runs go (recorded as $WORK)")
     parser.add_argument("--demos", type=int, default=60)
     parser.add_argument("--held-out", type=int, default=100)
+    parser.add_argument("--sft-until", action="store_true",
+                        help="evaluate the SFT run's latest checkpoint as it stands, without "
+                        "training it to the end (a run stopped part way through its epoch)")
     parser.add_argument("--out", default=str(RESULTS / "alfworld_sft.json"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
@@ -89,8 +92,10 @@ def main() -> int:
                    "--demos", str(oracle), "--preset", "cpu-demo",
                    "--max-trajectory-tokens", "4096", "--threads", "2", "--out", str(sft),
                    "--no-progress"]
-    subprocess.run(sft_command, check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
-    checkpoint = json.loads((sft / "checkpoint.json").read_text())["path"]
+    if not args.sft_until:
+        subprocess.run(sft_command, check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
+    saved = json.loads((sft / "checkpoint.json").read_text())
+    checkpoint = saved["path"]
     subprocess.run(held_out_eval(f"local:smollm2@{checkpoint}", sft_eval, args.held_out,
                                  precision), check=True, env=ENV, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
@@ -101,6 +106,7 @@ def main() -> int:
     result.figures |= {
         "env_id": ENV_ID, "protocol": "text", "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
         "decoding": "greedy", "sampler_precision": precision, "demonstrations": demos,
+        "sft_steps_trained": saved["step"],
         "commands": {"demos": f"agent-gym eval {ENV_ID} --policy oracle --episodes "
                               f"{args.demos} --split large_train --env-arg protocol=text",
                      "sft": " ".join(sft_command[2:]),

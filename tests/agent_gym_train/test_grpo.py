@@ -47,8 +47,10 @@ def test_grpo_raises_reward_on_a_learnable_task(toy_model: str, tmp_path: Path) 
     assert [json.loads(line)["step"] for line in lines] == list(range(30))
     row = json.loads(lines[-1])
     for key in ("reward_mean", "degenerate_rate", "sampled_tokens", "trained_tokens", "loss",
-                "grad_norm", "time_sampler", "time_rollout", "time_train", "end_reasons"):
+                "grad_norm", "time_sampler", "time_rollout", "time_train", "end_reasons",
+                "cpu_step"):
         assert key in row
+    assert row["cpu_step"] > 0  # this process's CPU seconds since the previous line
     assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 30
 
 
