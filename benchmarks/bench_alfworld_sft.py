@@ -54,7 +54,7 @@ def held_out_eval(policy: str, out: Path, games: int, precision: str) -> list[st
     return agent_gym("eval", ENV_ID, "--policy", policy, "--episodes", str(games), "--split",
                      "large_test", "--env-arg", "protocol=text", "--env-arg",
                      f"max_turns={MAX_TURNS}", "--max-tokens", str(MAX_TOKENS),
-                     "--concurrency", "8", "--sampler-precision", precision, "--quiet",
+                     "--concurrency", "32", "--sampler-precision", precision, "--quiet",
                      "--out", str(out))
 
 
