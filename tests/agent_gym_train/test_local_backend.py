@@ -232,11 +232,14 @@ def test_bfloat16_sampler_merges_the_adapters_into_rounded_weights(tmp_path: Pat
     got = rounded.compute_logprobs(prompt).result()
     assert got[0] is None and len(got) == len(want)
     assert got[1:] != want[1:]  # rounded, so not the same numbers
-    assert got[1:] == pytest.approx(want[1:], abs=0.05)
+    assert got[1:] == pytest.approx(want[1:], abs=0.05)  # bf16 keeps 8 bits of mantissa
     sampled = rounded.sample(ModelInput.from_ints(TOKENS[0]), 3,
                              SamplingParams(max_tokens=5, seed=2)).result()
     for sequence in sampled.sequences:
         scored = rounded.compute_logprobs(ModelInput.from_ints(TOKENS[0] + sequence.tokens))
+        # decoding (one position at a time) and scoring (the whole prompt at once) round
+        # their bf16 products in another order, so the copy agrees with itself only to
+        # within bf16 rounding, never bit for bit
         assert sequence.logprobs == pytest.approx(scored.result()[len(TOKENS[0]):], abs=0.05)
     # the learner itself stays float32
     assert {p.dtype for p in lora.model.parameters()} == {torch.float32}
