@@ -66,6 +66,8 @@ _ENTRY_POINTS = {
     "agent_gym/CodeInterpreter-v0": "agent_gym.envs.code:CodeInterpreterEnv",
     "agent_gym/Search-v0": "agent_gym.envs.search:SearchEnv",
     "agent_gym/ALFWorld-v0": "agent_gym.envs.alfworld:ALFWorldEnv",
+    # Several of the above as one task space, each with a weight (agent_gym.envs.mixture).
+    "agent_gym/Mixture-v0": "agent_gym.envs.mixture:MixtureEnv",
     # A client of an `agent-gym serve` server (needs agent-gym[serve]); gymnasium.make(
     # "agent_gym/Remote-v0", url="http://host:8000").
     "agent_gym/Remote-v0": "agent_gym.serve.remote:RemoteTextEnv",

@@ -11,7 +11,7 @@ from typing import Any
 
 import gymnasium
 
-from agent_gym.env.base import describe_env
+from agent_gym.env.base import EnvShape, describe_env
 from agent_gym_train.runfiles import RunConfigError
 
 EnvFactory = Callable[[], gymnasium.Env]
@@ -32,8 +32,8 @@ def env_factory(env_id: str, env_kwargs: Mapping[str, Any], ray: str | None) -> 
 
 def check_env(
     env_id: str, env_kwargs: Mapping[str, Any], option: str | None = "--env-kwargs"
-) -> tuple[int, int]:
-    """``(number of tasks, max turns)`` of the env, built once here and closed.
+) -> EnvShape:
+    """The env's ``EnvShape`` (tasks, max turns, parts), built once here and closed.
 
     A run calls this before it creates its directory or loads a model, so an unknown env id
     or constructor arguments the env refuses (an unknown name, a wrong type, a missing

@@ -288,7 +288,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     # The envs first: a typo in --env-id or --env-kwargs is a one-line error before a model
     # loads, and --out is created only once the run can start.
     described = [check_env(args.env_id, kwargs, option) for option, kwargs in args.env_settings()]
-    num_tasks, env_turns = described[0]
+    num_tasks, env_turns, parts = described[0]
     out = Path(args.out)
     service = service or make_service(
         args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key,
@@ -308,5 +308,5 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
         adam=AdamParams(learning_rate=args.learning_rate, grad_clip_norm=args.grad_clip_norm),
         objective=Objective(args.loss, args.loss_aggregation, args.clip_low, args.clip_high),
         task_sampler=TaskSampler.from_metrics(
-            num_tasks, getattr(args, "task_sampler", "uniform"), earlier),
+            num_tasks, getattr(args, "task_sampler", "uniform"), earlier, parts),
     )

@@ -5,9 +5,19 @@ advantage to learn from: its rollout time is spent for nothing. Which tasks give
 outcomes changes as the policy learns: at first the easy ones, later the hard ones. So
 ``--task-sampler mixed`` keeps, per task, whether its last ``WINDOW`` groups had mixed
 outcomes, and draws tasks with probability proportional to the posterior mean of that
-(``(mixed + 1) / (groups + 2)``: a task never drawn counts as even odds, so every task is
-tried), never below ``FLOOR`` (a task that has been all-or-nothing is still revisited, as
-the policy moves). ``uniform`` (the default) draws as every run did before.
+(``(mixed + 1) / (groups + 2)``; a task never drawn takes its part's odds, below, which
+start even, so every task is tried), never below ``FLOOR`` (a task that has been
+all-or-nothing is still revisited, as the policy moves). ``uniform`` (the default) draws
+as every run did before.
+
+An env made of parts (``agent_gym/Mixture-v0``: several envs, each with a weight) is drawn
+part by part: ``uniform`` gives part k the share weight k / sum of weights, spread evenly
+over its tasks. ``mixed`` multiplies that share by each task's chance of a mixed group; a
+task not drawn yet takes its part's chance instead (the posterior mean over the part's last
+``PART_WINDOW`` groups). On a set of a thousand tasks a run draws most tasks once at most,
+so a task's own window rarely speaks: what the sampler learns in that case is which parts
+teach (an env the policy always fails, or always solves, loses its share to one that has
+mixed outcomes).
 
 The sampler's memory is a function of the groups the run rolled out; each metrics line
 records its step's (``task_outcomes``: task index -> 1 if the group was mixed), so a
@@ -23,10 +33,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from agent_gym.env import EnvPart
 from agent_gym_train.runfiles import Metrics
 
 SAMPLERS = ("uniform", "mixed")
 WINDOW = 4  # groups of a task remembered
+PART_WINDOW = 32  # groups of a part remembered (its untried tasks' chance)
 FLOOR = 0.05  # the least weight of a task, relative to even odds' 0.5
 
 
@@ -36,16 +48,23 @@ class TaskSampler:
 
     num_tasks: int
     kind: str = "uniform"
+    parts: tuple[EnvPart, ...] = ()  # () is one part of every task
     outcomes: dict[int, deque[bool]] = field(default_factory=dict)
+    part_outcomes: dict[int, deque[bool]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLERS:
             raise ValueError(f"task sampler {self.kind!r} is not one of {SAMPLERS}")
+        self.parts = self.parts or (EnvPart(self.num_tasks, 1.0),)
+        if sum(part.num_tasks for part in self.parts) != self.num_tasks:
+            raise ValueError(f"the parts hold {sum(p.num_tasks for p in self.parts)} tasks, "
+                             f"not {self.num_tasks}")
+        self._ends = np.cumsum([part.num_tasks for part in self.parts])
 
     def draw(self, rng: np.random.Generator, count: int) -> list[dict[str, int]]:
         """Reset options of ``count`` tasks, distinct while there are enough."""
         replace = count > self.num_tasks
-        if self.kind == "uniform":
+        if self.kind == "uniform" and len(self.parts) == 1:
             chosen = rng.choice(self.num_tasks, size=count, replace=replace)
         else:
             weights = self.weights()
@@ -54,14 +73,23 @@ class TaskSampler:
         return [{"index": int(i)} for i in chosen]
 
     def weights(self) -> np.ndarray:
-        """Each task's weight: the chance its next group is mixed, as the window says."""
-        weights = np.full(self.num_tasks, 0.5)
+        """Each task's weight: its part's share over the part's tasks, times (``mixed``)
+        the chance its next group is mixed, as its window (or its part's) says."""
+        total = sum(part.weight for part in self.parts)
+        share = np.concatenate([np.full(part.num_tasks, part.weight / total / part.num_tasks)
+                                for part in self.parts])
+        if self.kind == "uniform":
+            return share
+        chance = np.concatenate([np.full(part.num_tasks, _posterior(self.part_outcomes.get(k)))
+                                 for k, part in enumerate(self.parts)])
         for index, seen in self.outcomes.items():
-            weights[index] = max(FLOOR, (sum(seen) + 1) / (len(seen) + 2))
-        return weights
+            chance[index] = _posterior(seen)
+        return share * np.maximum(FLOOR, chance)
 
     def observe(self, index: int, mixed: bool) -> None:
         self.outcomes.setdefault(index, deque(maxlen=WINDOW)).append(mixed)
+        part = int(np.searchsorted(self._ends, index, side="right"))
+        self.part_outcomes.setdefault(part, deque(maxlen=PART_WINDOW)).append(mixed)
 
     def record(self, tasks: Sequence[Mapping[str, int]], mixed: Sequence[bool]) -> dict[str, int]:
         """Observe a step's groups as its metrics line keeps them (a task drawn twice in
@@ -73,12 +101,19 @@ class TaskSampler:
         return kept
 
     @classmethod
-    def from_metrics(cls, num_tasks: int, kind: str, rows: Iterable[Metrics]) -> TaskSampler:
+    def from_metrics(cls, num_tasks: int, kind: str, rows: Iterable[Metrics],
+                     parts: tuple[EnvPart, ...] = ()) -> TaskSampler:
         """The sampler as it was after the steps of ``rows`` (a continued run's lines)."""
-        sampler = cls(num_tasks, kind)
+        sampler = cls(num_tasks, kind, parts)
         for row in rows:
             outcomes = row.get("task_outcomes")
             if isinstance(outcomes, dict):
                 for index, mixed in outcomes.items():
                     sampler.observe(int(index), bool(mixed))
         return sampler
+
+
+def _posterior(seen: Iterable[bool] | None) -> float:
+    """The posterior mean chance of a mixed group, from even odds: (mixed + 1) / (n + 2)."""
+    seen = list(seen or ())
+    return (sum(seen) + 1) / (len(seen) + 2)

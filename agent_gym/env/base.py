@@ -524,23 +524,33 @@ class OutcomeEnv(TextEnv):
         )
 
 
+class EnvPart(NamedTuple):
+    """A run of consecutive task indices and the weight a sampler gives it as a whole."""
+
+    num_tasks: int
+    weight: float
+
+
 class EnvShape(NamedTuple):
-    """How big an agent_gym env is: its number of tasks and the turns an episode may take."""
+    """How big an agent_gym env is: its number of tasks, the turns an episode may take, and
+    its parts (a mixture's members in task order; one part for any other env)."""
 
     num_tasks: int
     max_turns: int
+    parts: tuple[EnvPart, ...]
 
 
 def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> EnvShape:
-    """The ``EnvShape`` (number of tasks, max turns) of an agent_gym env (a ``TextEnv``
-    here, or a remote one that reports both), read from an instance."""
+    """The ``EnvShape`` of an agent_gym env (a ``TextEnv`` here, a mixture of them, or a
+    remote one that reports tasks and turns), read from an instance."""
     env = gymnasium.make(env_id, **env_kwargs)
     try:
         num_tasks = getattr(env.unwrapped, "num_tasks", None)
         max_turns = getattr(env.unwrapped, "max_turns", None)
         if not (isinstance(num_tasks, int) and isinstance(max_turns, int)):
             raise ValueError(f"{env_id} is not an agent_gym env: it reports no tasks and turns")
-        return EnvShape(num_tasks, max_turns)
+        parts = getattr(env.unwrapped, "parts", None) or (EnvPart(num_tasks, 1.0),)
+        return EnvShape(num_tasks, max_turns, tuple(parts))
     finally:
         env.close()
 

@@ -73,6 +73,7 @@ class ResetInfo(StepInfo, total=False):
     messages: list[dict[str, Any]]  # the chat an actor is shown
     tools: list[dict[str, Any]]
     privileged: dict[str, Any]  # for a critic, never for the actor
+    member: int  # a mixture's (agent_gym.envs.mixture): which member plays the episode
     # A restore's alone:
     history: list[dict[str, Any]]  # the chat after ``messages``, to rebuild a prompt
     restored_depth: int  # steps the state holds

@@ -194,7 +194,8 @@ async def _run(
         def make_env() -> Any:
             return gymnasium.make(config.env_id, **config.env_kwargs)
 
-    num_tasks, _ = await asyncio.to_thread(describe_env, config.env_id, config.env_kwargs)
+    shape = await asyncio.to_thread(describe_env, config.env_id, config.env_kwargs)
+    num_tasks = shape.num_tasks
     order = np.random.default_rng(config.seed).permutation(num_tasks)
     todo: asyncio.Queue[Key] = asyncio.Queue()
     planned = config.episodes * config.rollouts_per_task

@@ -1,5 +1,6 @@
 """Which tasks a step draws (agent_gym_train.tasks): uniformly as before, or preferring the
-tasks whose recent groups had mixed outcomes; rebuilt exactly by a continued run."""
+tasks whose recent groups had mixed outcomes; a mixture's parts by their weights; rebuilt
+exactly by a continued run."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent_gym.env import EnvPart
 from agent_gym_train.grpo import train
 from agent_gym_train.tasks import FLOOR, TaskSampler
 from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
+from tests.helpers.grpo_toy import DIGITS, ENV_ID
 
 
 def test_uniform_draws_what_runs_drew_before() -> None:
@@ -25,7 +28,8 @@ def test_mixed_prefers_tasks_whose_groups_taught_something() -> None:
     sampler = TaskSampler(3, "mixed")
     for _ in range(6):  # only the last 4 are remembered
         sampler.record([{"index": 0}, {"index": 1}], [True, False])
-    assert sampler.weights() == pytest.approx([5 / 6, max(FLOOR, 1 / 6), 0.5])
+    # each task's share is 1/3; task 2, never drawn, takes the part's odds: 6 of 12 mixed
+    assert sampler.weights() * 3 == pytest.approx([5 / 6, max(FLOOR, 1 / 6), 7 / 14])
     counts = Counter(task["index"] for step in range(300)
                      for task in sampler.draw(np.random.default_rng(step), 1))
     assert counts[0] > counts[2] > counts[1] > 0  # taught > untried > all-or-nothing
@@ -54,3 +58,46 @@ def test_grpo_with_the_mixed_sampler_continues_as_if_never_stopped(
     continued = [json.loads(line) for line in lines]
     assert [r["task_outcomes"] for r in continued] == [r["task_outcomes"] for r in straight]
     assert all(len(r["task_outcomes"]) >= 1 for r in straight)
+
+
+def test_uniform_gives_each_part_its_weight_whatever_its_size() -> None:
+    sampler = TaskSampler(100, "uniform", (EnvPart(90, 1.0), EnvPart(10, 3.0)))
+    drawn = [task["index"] for step in range(200)
+             for task in sampler.draw(np.random.default_rng(step), 2)]
+    assert 0.68 < sum(i >= 90 for i in drawn) / len(drawn) < 0.82  # 3 / (1 + 3)
+    with pytest.raises(ValueError, match="hold 12 tasks, not 13"):
+        TaskSampler(13, "uniform", (EnvPart(2, 1.0), EnvPart(10, 1.0)))
+
+
+def test_mixed_moves_the_share_of_a_part_without_signal_to_one_with_it() -> None:
+    sampler = TaskSampler(1000, "mixed", (EnvPart(500, 1.0), EnvPart(500, 1.0)))
+    for step in range(8):  # part 0's groups are all-or-nothing, part 1's mixed
+        sampler.record([{"index": step}, {"index": 500 + step}], [False, True])
+    weights = sampler.weights()
+    untried_0, untried_1 = weights[100], weights[600]  # tasks never drawn: their part's odds
+    assert untried_0 * 500 == pytest.approx(0.5 * 1 / 10)  # (0 + 1) / (8 + 2) of its half
+    assert untried_1 * 500 == pytest.approx(0.5 * 9 / 10)
+    share_1 = weights[500:].sum() / weights.sum()
+    assert share_1 > 0.85
+    rebuilt = TaskSampler.from_metrics(
+        1000, "mixed", [{"task_outcomes": {str(s): 0, str(500 + s): 1}} for s in range(8)],
+        (EnvPart(500, 1.0), EnvPart(500, 1.0)))
+    assert rebuilt.weights() == pytest.approx(weights)
+
+
+def test_grpo_over_a_mixture_draws_both_members_and_continues_as_if_never_stopped(
+    toy_model: str, tmp_path: Path  # noqa: F811
+) -> None:
+    members = [{"env_id": ENV_ID, "env_kwargs": {"max_turns": 2}, "weight": 3},
+               {"env_id": ENV_ID, "env_kwargs": {"max_turns": 1}}]
+    settings = {"batch_size": 2, "group_size": 4, "task_sampler": "mixed", "save_every": 1,
+                "env_id": "agent_gym/Mixture-v0", "env_kwargs": {"members": members}}
+    straight = train(toy_args(toy_model, tmp_path / "straight", steps=6, **settings))
+    train(toy_args(toy_model, tmp_path / "stopped", steps=3, **settings))
+    train(toy_args(toy_model, tmp_path / "stopped", steps=6, **settings))
+    lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+    continued = [json.loads(line) for line in lines]
+    assert [r["task_outcomes"] for r in continued] == [r["task_outcomes"] for r in straight]
+    assert [r["datums_digest"] for r in continued] == [r["datums_digest"] for r in straight]
+    drawn = {int(i) for r in straight for i in r["task_outcomes"]}
+    assert min(drawn) < len(DIGITS) <= max(drawn)  # tasks of both members were played

@@ -39,6 +39,10 @@ SETTINGS: dict[str, list[dict[str, Any]]] = {
     "agent_gym/Search-v0": [{}, {"protocol": "tag"}, {"max_turns": 1}],
     "agent_gym/ALFWorld-v0": [{}, {"protocol": "text"}, {"show_admissible": False}],
     "agent_gym/Remote-v0": [{}],  # a client: checked against a served GSM8K below
+    "agent_gym/Mixture-v0": [{"members": [
+        {"env_id": "agent_gym/GSM8K-v0", "weight": 3},
+        {"env_id": "agent_gym/Search-v0", "env_kwargs": {"protocol": "tag"}},
+    ]}],
 }
 # ALFWorld's defaults read its real data when installed; the bundled game keeps this offline.
 EXTRA = {"agent_gym/ALFWorld-v0": lambda: {"data_path": _small_game()}}

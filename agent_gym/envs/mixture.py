@@ -1,0 +1,197 @@
+"""Mixture: several agent_gym envs trained or evaluated as one, each with a weight."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import gymnasium
+import numpy as np
+
+from agent_gym.env.base import EnvPart, TextEnv, _json_kwargs
+from agent_gym.env.spaces import UnicodeText
+from agent_gym.env.state import EnvState, StateError
+from agent_gym.env.types import ResetInfo, StepInfo
+
+MEMBER_KEYS = frozenset({"env_id", "env_kwargs", "weight"})
+
+
+class MixtureEnv(gymnasium.Env[str, str]):
+    """A weighted mixture of agent_gym envs: one task space made of every member's tasks.
+
+    A run over several envs (a curriculum, or a skill kept while another is learnt) needs
+    one task index a sampler can draw from and states that restore wherever they were
+    saved. So the mixture owns neither task logic nor state format: it numbers the members'
+    tasks end to end (member 0's first, then member 1's, ...) and hands each episode to the
+    member that owns its task. A state saved during an episode is that member's own
+    ``EnvState``, which restores in the mixture or in the member env alone.
+
+    Observation, action, reward, episode end and info keys: the member's that plays the
+    episode (its prompt and tools arrive in the reset info, so one policy can play them
+    all); the reset info adds ``member``, the member's position.
+
+    Weights: ``parts`` reports each member's (number of tasks, weight) in task order; the
+    trainers' task samplers draw member k with probability weight k / sum of weights (its
+    tasks evenly), not in proportion to its number of tasks. ``reset`` without a task draws
+    the same way.
+
+    Reset options: ``index`` (0 .. num_tasks - 1 across members), ``state`` (a member's
+    saved state: routed to the member with that env id and those episode settings), or none.
+    ``max_turns`` is the largest member budget; each member still ends its episodes at its
+    own.
+
+    Args:
+        members: a list of ``{"env_id": ..., "env_kwargs": {...}, "weight": w}``; each
+            ``env_id`` a registered agent_gym env that saves states (not a mixture, not a
+            remote client), ``env_kwargs`` optional, ``weight`` a positive number
+            (default 1).
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 (Gymnasium's shape)
+
+    def __init__(self, members: Sequence[Mapping[str, Any]],
+                 render_mode: str | None = None) -> None:
+        if isinstance(members, str | bytes) or not isinstance(members, Sequence) or not members:
+            raise ValueError("members must be a non-empty list of {env_id, env_kwargs, weight}")
+        specs = [_member_spec(i, member) for i, member in enumerate(members)]
+        self._env_kwargs = {"members": [dict(spec) for spec in specs]}
+        self.render_mode = render_mode
+        self.members: list[TextEnv] = []
+        try:
+            for spec in specs:
+                env = gymnasium.make(spec["env_id"], **spec["env_kwargs"],
+                                     render_mode=render_mode).unwrapped
+                if not isinstance(env, TextEnv):
+                    env.close()
+                    raise ValueError(f"mixture member {spec['env_id']} does not save and "
+                                     "restore states (not an agent_gym TextEnv)")
+                self.members.append(env)
+        except BaseException:
+            self.close()
+            raise
+        self.weights = [float(spec["weight"]) for spec in specs]
+        self._offsets = np.cumsum([0, *(env.num_tasks for env in self.members)])
+        self.max_turns = max(env.max_turns for env in self.members)
+        self.observation_space = UnicodeText(max(_length(env.observation_space)
+                                                 for env in self.members))
+        self.action_space = UnicodeText(max(_length(env.action_space) for env in self.members))
+        self._playing: TextEnv | None = None
+
+    @property
+    def num_tasks(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def parts(self) -> tuple[EnvPart, ...]:
+        """Each member's number of tasks and weight, in task-index order."""
+        return tuple(EnvPart(env.num_tasks, weight)
+                     for env, weight in zip(self.members, self.weights, strict=True))
+
+    @property
+    def turn(self) -> int:
+        return self._current().turn
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[str, ResetInfo]:
+        options = dict(options or {})
+        if "state" in options:
+            return self._restore(options)
+        super().reset(seed=seed)
+        unknown = set(options) - {"index"}
+        if unknown:
+            raise ValueError(f"unknown reset options {sorted(unknown)} for a mixture; use "
+                             "index or state")
+        if "index" in options:
+            index = options["index"]
+            if not isinstance(index, int | np.integer) or isinstance(index, bool) \
+                    or not 0 <= index < self.num_tasks:
+                raise IndexError(f"task index must be in [0, {self.num_tasks}), got {index!r}")
+        else:
+            chance = np.array(self.weights) / sum(self.weights)
+            member = int(self.np_random.choice(len(self.members), p=chance))
+            index = int(self._offsets[member]
+                        + self.np_random.integers(self.members[member].num_tasks))
+        member = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        self._playing = self.members[member]
+        observation, info = self._playing.reset(
+            seed=seed, options={"index": int(index - self._offsets[member])})
+        return observation, _with_member(info, member)
+
+    def _restore(self, options: Mapping[str, Any]) -> tuple[str, ResetInfo]:
+        """Restore a member's state in the member that matches its env id and settings."""
+        if len(options) > 1:
+            raise ValueError(f"options {sorted(set(options) - {'state'})} cannot be combined "
+                             "with 'state'")
+        state = options["state"]
+        if isinstance(state, str | bytes):
+            state = EnvState.from_json(state)
+        elif isinstance(state, Mapping):
+            state = EnvState.from_dict(dict(state))
+        elif not isinstance(state, EnvState):
+            raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
+        same_id = [i for i, env in enumerate(self.members) if env.env_id == state.env_id]
+        if not same_id:
+            raise StateError(f"state belongs to {state.env_id!r}, which is not a member of this "
+                             f"mixture ({', '.join(env.env_id for env in self.members)})")
+        # The member with the state's episode settings; when none has them, the first of that
+        # id refuses the state and says which settings differ.
+        member = next((i for i in same_id if _settings_of(self.members[i])
+                       == self.members[i].episode_settings(state.env_kwargs)), same_id[0])
+        observation, info = self.members[member].reset(options={"state": state})
+        self._playing = self.members[member]
+        return observation, _with_member(info, member)
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, StepInfo]:
+        return self._current().step(action)
+
+    def save_state(self) -> EnvState:
+        """The playing member's state (restores in this mixture or in that env alone)."""
+        return self._current().save_state()
+
+    def render(self) -> str | None:
+        return self._current().render()
+
+    def close(self) -> None:
+        for env in self.members:
+            env.close()
+
+    def _current(self) -> TextEnv:
+        if self._playing is None:
+            raise RuntimeError("call reset() before using the environment")
+        return self._playing
+
+
+def _member_spec(position: int, member: object) -> dict[str, Any]:
+    """A member as ``{env_id, env_kwargs, weight}``, or a one-line error naming it."""
+    where = f"mixture member {position}"
+    if not isinstance(member, Mapping):
+        raise ValueError(f"{where} must be an object with env_id (and env_kwargs, weight)")
+    unknown = set(member) - MEMBER_KEYS
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; use {sorted(MEMBER_KEYS)}")
+    env_id, kwargs, weight = member.get("env_id"), member.get("env_kwargs", {}), \
+        member.get("weight", 1.0)
+    if not isinstance(env_id, str):
+        raise ValueError(f"{where} needs an env_id (a registered agent_gym env id)")
+    if env_id == "agent_gym/Mixture-v0":
+        raise ValueError(f"{where} is itself a mixture: list its members instead")
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"{where}: env_kwargs must be an object of constructor arguments")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) \
+            or not math.isfinite(weight) or weight <= 0:
+        raise ValueError(f"{where}: weight must be a positive number, got {weight!r}")
+    return {"env_id": env_id, "env_kwargs": dict(kwargs), "weight": float(weight)}
+
+
+def _settings_of(env: TextEnv) -> dict[str, Any]:
+    """The episode settings ``env`` was built with, as a state records them."""
+    return env.episode_settings(_json_kwargs(env.env_id, env._env_kwargs))
+
+
+def _length(space: gymnasium.Space[str]) -> int:
+    return int(getattr(space, "max_length", 0))
+
+
+def _with_member(info: ResetInfo, member: int) -> ResetInfo:
+    return {**info, "member": member}

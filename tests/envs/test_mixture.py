@@ -1,0 +1,125 @@
+"""agent_gym/Mixture-v0: members' tasks numbered end to end, episodes played by the member
+that owns the task, states that restore in the mixture or in the member alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import gymnasium
+import pytest
+
+import agent_gym
+from agent_gym import StateError
+from agent_gym.env import EnvPart
+
+GSM8K = {"env_id": "agent_gym/GSM8K-v0", "weight": 3}
+SEARCH = {"env_id": "agent_gym/Search-v0", "env_kwargs": {"protocol": "tag", "max_turns": 3}}
+
+
+def mixture(*members: dict[str, Any]) -> gymnasium.Env:
+    return gymnasium.make("agent_gym/Mixture-v0", members=list(members))
+
+
+def test_task_indices_run_through_the_members_in_order() -> None:
+    env, gsm8k, search = (mixture(GSM8K, SEARCH), gymnasium.make(GSM8K["env_id"]),
+                          gymnasium.make(SEARCH["env_id"], **SEARCH["env_kwargs"]))
+    try:
+        n = gsm8k.unwrapped.num_tasks
+        assert env.unwrapped.num_tasks == n + search.unwrapped.num_tasks
+        assert env.unwrapped.parts == (EnvPart(n, 3.0), EnvPart(search.unwrapped.num_tasks, 1.0))
+        assert env.unwrapped.max_turns == 3
+        for index, member, alone, own in ((0, 0, gsm8k, 0), (n - 1, 0, gsm8k, n - 1),
+                                          (n, 1, search, 0), (n + 5, 1, search, 5)):
+            observation, info = env.reset(seed=1, options={"index": index})
+            expected, expected_info = alone.reset(seed=1, options={"index": own})
+            assert (observation, info["task_id"], info["member"]) == (
+                expected, expected_info["task_id"], member)
+            assert info["messages"] == expected_info["messages"]
+        with pytest.raises(IndexError, match=r"\[0, "):
+            env.reset(options={"index": env.unwrapped.num_tasks})
+        with pytest.raises(ValueError, match="unknown reset options"):
+            env.reset(options={"task_id": "x"})
+    finally:
+        for e in (env, gsm8k, search):
+            e.close()
+
+
+def test_a_state_saved_in_a_mixture_restores_there_and_in_the_member_alone() -> None:
+    env = mixture(GSM8K, SEARCH)
+    n = env.unwrapped.parts[0].num_tasks
+    try:
+        env.reset(seed=2, options={"index": n + 3})
+        observation, *_ = env.step("<search>capital</search>")
+        state = env.unwrapped.save_state()
+        assert state.env_id == "agent_gym/Search-v0"
+        again = mixture(GSM8K, SEARCH)
+        restored, info = again.reset(options={"state": state.to_json()})
+        assert (restored, info["member"], again.unwrapped.turn) == (observation, 1, 1)
+        alone, elsewhere, _ = agent_gym.make_from_state(state)
+        assert elsewhere == observation
+        for e in (again, alone):
+            e.close()
+        with pytest.raises(StateError, match="not a member"):
+            mixture(GSM8K).reset(options={"state": state})
+    finally:
+        env.close()
+
+
+def test_a_state_goes_to_the_member_with_its_settings() -> None:
+    short = {"env_id": "agent_gym/Search-v0", "env_kwargs": {"protocol": "tag", "max_turns": 2}}
+    env = mixture(short, SEARCH)
+    n = env.unwrapped.parts[0].num_tasks
+    try:
+        env.reset(options={"index": n + 1})  # the 3-turn member
+        env.step("<search>river</search>")
+        state = env.unwrapped.save_state()
+        _, info = env.reset(options={"state": state})
+        assert info["member"] == 1
+        other = {"env_id": "agent_gym/Search-v0", "env_kwargs": {"protocol": "tool"}}
+        with pytest.raises(StateError, match="settings"):
+            mixture(other).reset(options={"state": state})
+    finally:
+        env.close()
+
+
+def test_reset_without_a_task_draws_members_by_weight_not_by_size() -> None:
+    env = mixture({**GSM8K, "weight": 1}, {**SEARCH, "weight": 1})
+    try:
+        members = Counter(env.reset(seed=seed)[1]["member"] for seed in range(400))
+        # the members hold different numbers of tasks; each gets about half the draws
+        assert 150 < members[0] < 250, members
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(("members", "message"), [
+    ([], "non-empty list"),
+    ("agent_gym/GSM8K-v0", "non-empty list"),
+    ([{"env_id": "agent_gym/GSM8K-v0", "weights": 2}], "unknown keys"),
+    ([{"weight": 2}], "needs an env_id"),
+    ([{**GSM8K, "weight": 0}], "positive number"),
+    ([{**GSM8K, "weight": float("nan")}], "positive number"),
+    ([{**GSM8K, "weight": True}], "positive number"),
+    ([{**GSM8K, "env_kwargs": [1]}], "env_kwargs must be an object"),
+    ([{"env_id": "agent_gym/Mixture-v0"}], "itself a mixture"),
+    (["agent_gym/GSM8K-v0"], "must be an object"),
+])
+def test_bad_members_are_refused_in_one_line(members: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        gymnasium.make("agent_gym/Mixture-v0", members=members)
+
+
+def test_a_member_the_env_refuses_fails_the_mixture_and_closes_the_others() -> None:
+    with pytest.raises(TypeError, match="no_such_setting"):
+        mixture(GSM8K, {"env_id": "agent_gym/Search-v0", "env_kwargs": {"no_such_setting": 1}})
+    with pytest.raises(gymnasium.error.Error):
+        mixture({"env_id": "agent_gym/NoSuchEnv-v0"})
+
+
+def test_stepping_before_reset_is_an_error() -> None:
+    env = mixture(GSM8K)
+    for call in (lambda: env.unwrapped.step("x"), env.unwrapped.save_state):
+        with pytest.raises(RuntimeError, match="reset"):
+            call()
+    env.close()
