@@ -1,6 +1,7 @@
-"""Does SFT on ALFWorld walkthroughs beat the base model on held-out games?
+"""Does SFT on ALFWorld walkthroughs beat the base model on held-out games, and GRPO from it?
 
-    python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 60] [--held-out 100] [--sft-until]
+    python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 60] [--held-out 100]
+                                            [--sft-until] [--grpo-steps N]
 
 Every stage is a project command, and each resumes where it stopped (rerun with the same
 ``--work`` to continue or to only rewrite the result file):
@@ -15,8 +16,12 @@ Every stage is a project command, and each resumes where it stopped (rerun with 
    both sampled from a bfloat16 copy of the weights where the CPU has bf16 units.
 4. ``agent-gym compare`` of the two: paired by game, the difference in success with
    Newcombe's paired 95% interval.
+5. With ``--grpo-steps N``: ``agent-gym train grpo --init-from SFT`` on ``large_train``
+   (text protocol, 15 turns, 48-token replies, episodes up to 4096 tokens as in SFT; 4
+   tasks x 4 branches, learning rate 1e-4, ``--task-sampler mixed``), its eval on the same
+   held-out games and its comparison with SFT, paired by game.
 
-The evals run on one torch thread each (the base eval beside the SFT), the SFT on two.
+The evals run on one torch thread each (the base eval beside the SFT), SFT and GRPO on two.
 """
 
 from __future__ import annotations
@@ -58,6 +63,16 @@ def held_out_eval(policy: str, out: Path, games: int, precision: str) -> list[st
                      "--out", str(out))
 
 
+def grpo_command(sft: Path, out: Path, steps: int, precision: str) -> list[str]:
+    return [sys.executable, "-m", "agent_gym_train.grpo", "--env-id", ENV_ID,
+            "--env-kwargs", json.dumps({"protocol": "text", "split": "large_train"}),
+            "--init-from", str(sft), "--batch-size", "4", "--group-size", "4",
+            "--max-turns", str(MAX_TURNS), "--max-tokens", str(MAX_TOKENS),
+            "--max-trajectory-tokens", "4096", "--learning-rate", "1e-4",
+            "--task-sampler", "mixed", "--sampler-precision", precision, "--steps", str(steps),
+            "--save-every", "1", "--threads", "2", "--out", str(out), "--no-progress"]
+
+
 def summary(run: Path) -> dict[str, Any]:
     saved = json.loads((run / "summary.json").read_text())
     return {key: saved[key] for key in ("episodes", "success_rate", "success_low",
@@ -73,6 +88,8 @@ def main() -> int:
     parser.add_argument("--sft-until", action="store_true",
                         help="evaluate the SFT run's latest checkpoint as it stands, without "
                         "training it to the end (a run stopped part way through its epoch)")
+    parser.add_argument("--grpo-steps", type=int, default=0,
+                        help="then GRPO from the SFT checkpoint for this many steps (0: none)")
     parser.add_argument("--out", default=str(RESULTS / "alfworld_sft.json"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
@@ -120,6 +137,28 @@ def main() -> int:
                               "only_sft": paired.only_b, "neither": paired.neither},
         "seconds_this_invocation": round(time.perf_counter() - started, 1),
     }
+    if args.grpo_steps:
+        grpo, grpo_eval = work / "alf-grpo", work / "alf-eval-grpo"
+        command = grpo_command(sft, grpo, args.grpo_steps, precision)
+        subprocess.run(command, check=True, env=ENV | {"AGENT_GYM_THREADS": "2"}, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+        subprocess.run(held_out_eval(f"local:smollm2@{grpo}", grpo_eval, args.held_out,
+                                     precision), check=True, env=ENV, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+        paired = compare([read_run(sft_eval)], [read_run(grpo_eval)], "sft", "grpo").overall
+        rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+        result.figures["grpo"] = {
+            "command": " ".join(command[2:]), "steps": len(rows),
+            "groups": sum(row["groups"] for row in rows),
+            "degenerate_groups": sum(row["degenerate_groups"] for row in rows),
+            "training_reward_by_step": [round(row["reward_mean"], 3) for row in rows],
+            "cpu_seconds": round(sum(row["cpu_step"] for row in rows), 1),
+            "wall_seconds": round(sum(row["time_step"] for row in rows), 1),
+            "held_out": summary(grpo_eval),
+            "grpo_minus_sft": {"difference": round(paired.difference, 3),
+                               "ci95": [round(paired.low, 3), round(paired.high, 3)],
+                               "only_sft": paired.only_a, "only_grpo": paired.only_b,
+                               "both": paired.both, "neither": paired.neither}}
     result.write(args.out)
     print(json.dumps(result.figures, indent=1))
     return 0

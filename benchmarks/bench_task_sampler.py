@@ -1,99 +1,151 @@
-"""GRPO's task sampler: drawing tasks whose groups had mixed outcomes, against uniform draws.
+"""GRPO over a mixture of envs: the task sampler that prefers mixed outcomes, against uniform
+draws, at equal CPU time.
 
-    python benchmarks/bench_task_sampler.py --sft RUN_DIR [--steps 12] [--seeds 1]
+    python benchmarks/bench_task_sampler.py [--sft RUN_DIR] [--work DIR] [--steps 10] [--seed 0]
 
-GRPO on Search-v0's bundled train split (56 questions) with SmolLM2-135M from an SFT run
-(``--init-from``), ``--preset cpu-demo`` with batches of 4 tasks, the same seeds and steps
-for ``--task-sampler uniform`` and ``mixed``, each run in its own process on 2 threads. For
-each: the share of groups that were not degenerate (rewards not all equal: the groups that
-train), the process's CPU seconds (user + system of the child), reward per CPU second,
-datums trained per CPU second, and the final checkpoint's greedy success on the 18 held-out
-questions (``agent-gym eval``). Over few steps on a set this small, a task is drawn a few
-times at most, which bounds what remembering its outcomes can change.
+The run trains over ``agent_gym/Mixture-v0`` of two envs with equal weights: Search-v0's
+``world-large`` train questions (1000) and GSM8K-v0's bundled problems (54), starting from
+the Search SFT checkpoint of ``bench_search_rl.py``. The SFT model has mixed outcomes on
+Search questions and next to none on GSM8K at a 48-token reply (it was never taught to
+solve math; most of its groups there are all-zero): a mixture in which one member has no
+learning signal for the current policy, as a curriculum has while a skill is out of reach.
+Uniform draws spend half their groups on it whatever happens; ``--task-sampler mixed``
+learns, from the groups it has seen, which member teaches (``agent_gym_train.tasks``).
+
+Both runs: the same seed and settings (``--preset cpu-demo``, 4 tasks x 8 branches,
+learning rate 1e-4, bfloat16 sampling copy where the CPU has bf16 units), one torch thread
+each, side by side, a checkpoint every step. Each metrics line carries the process's CPU
+seconds (``cpu_step``), so the comparison is at **equal CPU time**: the budget is the
+smaller of the two runs' totals, and each run is judged on its steps within that budget and
+on the checkpoint of its last step within it: non-degenerate group share, training reward
+per CPU second, the share of groups drawn from Search, and greedy success on all 250
+held-out ``world-large`` test questions (``agent-gym eval``), the two paired by question
+(``agent-gym compare``). Every stage resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_async import held_out  # noqa: E402
+from bench_alfworld_sft import summary  # noqa: E402
+from bench_search_rl import DATASET, Stages, checkpoint_step, eval_done, held_out_eval  # noqa: E402
 from harness import RESULTS, Result  # noqa: E402
 
+from agent_gym.env import describe_env  # noqa: E402
+from agent_gym.eval.compare import compare  # noqa: E402
+from agent_gym.eval.runs import read_run  # noqa: E402
+from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
 from agent_gym_train.runfiles import read_metrics  # noqa: E402
 
-ENV_ID = "agent_gym/Search-v0"
-TRAIN = json.dumps({"split": "train"})
+MEMBERS = [
+    {"env_id": "agent_gym/Search-v0", "env_kwargs": {"dataset": DATASET, "split": "train"},
+     "weight": 1},
+    {"env_id": "agent_gym/GSM8K-v0", "weight": 1},
+]
+SAMPLERS = ("uniform", "mixed")
 
 
-def child_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def grpo_command(sft: Path, out: Path, sampler: str, seed: int, steps: int,
+                 precision: str) -> list[str]:
+    return [sys.executable, "-m", "agent_gym_train.grpo", "--env-id", "agent_gym/Mixture-v0",
+            "--env-kwargs", json.dumps({"members": MEMBERS}), "--init-from", str(sft),
+            "--preset", "cpu-demo", "--batch-size", "4", "--group-size", "8",
+            "--learning-rate", "1e-4", "--task-sampler", sampler, "--steps", str(steps),
+            "--seed", str(seed), "--sampler-precision", precision, "--save-every", "1",
+            "--threads", "1", "--out", str(out), "--no-progress"]
 
 
-def grpo(work: Path, name: str, start: str, sampler: str, seed: int, steps: int
-         ) -> dict[str, Any]:
-    out = work / name
-    command = [sys.executable, "-m", "agent_gym_train.grpo", "--preset", "cpu-demo",
-               "--env-id", ENV_ID, "--env-kwargs", TRAIN, "--init-from", start,
-               "--batch-size", "4", "--steps", str(steps), "--seed", str(seed),
-               "--threads", "2", "--learning-rate", "1e-4", "--task-sampler", sampler,
-               "--save-every", str(steps), "--out", str(out), "--no-progress"]
-    env = os.environ | {"PYTHONPATH": str(ROOT), "AGENT_GYM_THREADS": "2"}
-    before = child_cpu()
-    subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-    cpu = child_cpu() - before
-    rows = read_metrics(out / "metrics.jsonl")
-    groups = sum(r["groups"] for r in rows)
-    mixed = sum(r["groups"] - r["degenerate_groups"] for r in rows)
-    rewards = sum(r["reward_mean"] * r["episodes"] for r in rows)
-    drawn = [int(i) for r in rows for i in r["task_outcomes"]]
-    return {
-        "command": " ".join(command[2:]), "cpu_seconds": round(cpu, 1),
-        "groups": groups, "non_degenerate_groups": mixed,
-        "non_degenerate_share": round(mixed / groups, 3),
-        "reward_mean": round(rewards / sum(r["episodes"] for r in rows), 3),
-        "reward_per_cpu_second": round(rewards / cpu, 4),
-        "datums_per_cpu_second": round(sum(r["datums"] for r in rows) / cpu, 4),
-        "distinct_tasks": len(set(drawn)), "draws": len(drawn),
-        "checkpoint": json.loads((out / "checkpoint.json").read_text())["path"],
-    }
+def within(rows: list[dict[str, Any]], budget: float) -> list[dict[str, Any]]:
+    """The leading steps whose CPU seconds, summed, stay within ``budget``."""
+    kept, spent = [], 0.0
+    for row in rows:
+        spent += row["cpu_step"]
+        if spent > budget + 1e-9:  # a step that ends past the budget is not counted
+            break
+        kept.append(row)
+    return kept
+
+
+def training_figures(rows: list[dict[str, Any]], search_tasks: int) -> dict[str, Any]:
+    groups = sum(row["groups"] for row in rows)
+    informative = groups - sum(row["degenerate_groups"] for row in rows)
+    rewards = sum(row["reward_mean"] * row["episodes"] for row in rows)
+    cpu = sum(row["cpu_step"] for row in rows)
+    drawn = [int(i) for row in rows for i in row["task_outcomes"]]
+    return {"steps": len(rows), "cpu_seconds": round(cpu, 1), "groups": groups,
+            "non_degenerate_groups": informative,
+            "non_degenerate_share": round(informative / groups, 3),
+            "reward_per_cpu_second": round(rewards / cpu, 4),
+            "search_share_of_groups": round(sum(i < search_tasks for i in drawn) / len(drawn), 3)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sft", required=True, help="the SFT run directory to start from")
+    parser.add_argument("--sft", default="runs/bench-search-rl/sft",
+                        help="the Search SFT run to start from (bench_search_rl.py makes it)")
     parser.add_argument("--work", default="runs/bench-task-sampler",
                         help="where the runs go (recorded as $WORK)")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "task_sampler.json"))
     args = parser.parse_args()
-    work = Path(args.work).resolve()
-    start = json.loads((Path(args.sft) / "checkpoint.json").read_text())["path"]
-    result = Result(placeholders={str(work): "$WORK", str(Path(args.sft).resolve()): "$SFT",
-                                  args.sft: "$SFT"})
-    result.figures |= {"env_id": ENV_ID, "train": json.loads(TRAIN), "init_from": start,
-                       "steps": args.steps, "batch_size": 4, "group_size": 4}
-    runs: dict[str, Any] = {}
-    for seed in range(args.seeds):
-        for sampler in ("uniform", "mixed"):
-            name = f"{sampler}-s{seed}"
-            runs[name] = grpo(work, name, start, sampler, seed, args.steps)
-            runs[name]["held_out"] = held_out(f"local:smollm2@{runs[name]['checkpoint']}",
-                                              work / "evals" / name)
-            result.figures["runs"] = runs
-            result.write(args.out)
-    print(json.dumps(runs, indent=1))
+    work, sft = Path(args.work).resolve(), Path(args.sft).resolve()
+    if not (sft / "checkpoint.json").is_file():
+        raise SystemExit(f"{sft} holds no SFT checkpoint: run benchmarks/bench_search_rl.py "
+                         "first, or name one with --sft")
+    work.mkdir(parents=True, exist_ok=True)
+    precision = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
+    stages = Stages(work)
+    runs = {name: work / f"grpo-{name}" for name in SAMPLERS}
+    stages.run("grpo", [(name, grpo_command(sft, runs[name], name, args.seed, args.steps,
+                                            precision))
+                        for name in SAMPLERS if checkpoint_step(runs[name]) < args.steps])
+
+    metrics = {name: read_metrics(runs[name] / "metrics.jsonl") for name in SAMPLERS}
+    budget = min(sum(row["cpu_step"] for row in rows) for rows in metrics.values())
+    search_tasks = describe_env("agent_gym/Mixture-v0", {"members": MEMBERS}).parts[0].num_tasks
+    evals, figures = {}, {}
+    for name in SAMPLERS:
+        kept = within(metrics[name], budget)
+        step = len(kept)
+        checkpoint = next((runs[name] / "checkpoints").glob(f"*/step-{step:06d}"))
+        evals[name] = work / f"eval-{name}-step{step}"
+        figures[name] = {**training_figures(kept, search_tasks), "checkpoint_step": step,
+                         "steps_run": len(metrics[name])}
+        if not eval_done(evals[name], 250):
+            stages.run(f"held_out_eval_{name}", [(name, held_out_eval(
+                f"local:smollm2@{checkpoint}", evals[name], precision))])
+        figures[name]["held_out"] = summary(evals[name])
+    paired = compare([read_run(evals["uniform"])], [read_run(evals["mixed"])], "uniform",
+                     "mixed").overall
+    result = Result(placeholders={str(work): "$WORK", str(sft): "$SFT"})
+    result.figures |= {
+        "mixture": MEMBERS, "init_from": "$SFT", "seed": args.seed, "steps": args.steps,
+        "sampler_precision": precision, "cpu_budget_seconds": round(budget, 1),
+        "commands": {
+            "grpo": " ".join(grpo_command(Path("$SFT"), Path("OUT"), "SAMPLER", args.seed,
+                                          args.steps, precision)[2:]),
+            "eval": " ".join(held_out_eval("POLICY", Path("OUT"), precision)[2:]),
+            "compare": "agent-gym compare UNIFORM_EVAL MIXED_EVAL"},
+        "runs": figures,
+        "held_out_mixed_minus_uniform": {
+            "difference": round(paired.difference, 3),
+            "ci95": [round(paired.low, 3), round(paired.high, 3)],
+            "only_uniform": paired.only_a, "only_mixed": paired.only_b, "both": paired.both,
+            "neither": paired.neither},
+        "timings": stages.timings,
+    }
+    result.write(args.out)
+    print(json.dumps(result.figures, indent=1))
     return 0
 
 
