@@ -9,6 +9,7 @@ from agent_gym import data
 from agent_gym.actions.protocols import FencedCodeProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.actions.tools import ToolCallError, ToolSpec
 from agent_gym.env.base import BackendFailure, Opening, OutcomeEnv, Task, Transition
+from agent_gym.envs import math_large
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, score_math
 from agent_gym.sandbox import ExecResult, Limits, SandboxError, open_sandbox
 
@@ -84,9 +85,12 @@ class CodeInterpreterEnv(OutcomeEnv):
         data_path: a JSONL/parquet file of problems: ``problem``/``question``/``prompt``
             (a string or a chat list) with ``answer`` or ``reward_model.ground_truth``
             (DAPO-Math-17k and AIME files load as they are); overrides ``dataset``.
-        dataset: ``"bundled"`` (original problems where computing helps), ``"dapo"``
-            (DAPO-Math-17k) or ``"aime2025"`` (both 2025 papers) from the hub.
-        split: the hub split (default: train for dapo, test for aime2025).
+        dataset: ``"bundled"`` (original problems where computing helps),
+            ``"math-large"`` (1000 train / 250 test original word problems:
+            ``agent_gym.envs.math_large``), ``"dapo"`` (DAPO-Math-17k) or ``"aime2025"``
+            (both 2025 papers) from the hub.
+        split: the hub split (default: train for dapo, test for aime2025); ``"train"`` or
+            ``"test"`` of ``"math-large"`` (default: both).
         protocol: ``"tool"`` or ``"fenced"``.
         mode: ``"stateful"`` (one notebook-like interpreter per episode) or
             ``"stateless"`` (a fresh interpreter per call, pre-started by a pool of
@@ -268,6 +272,10 @@ def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[T
         name, configs, default_split = HUB_SETS[dataset]
         records = [r for c in configs for r in data.load_hub(name, c, split or default_split)]
         source = dataset
+    elif dataset == math_large.NAME:  # the answer alone, and a program that prints it
+        records = [{"id": r["id"], "problem": r["question"], "answer": str(r["value"]),
+                    "program": f"print({r['program']})"} for r in math_large.records(split)]
+        source = math_large.NAME
     elif dataset == "bundled":
         if split is not None:
             raise data.DataError(
@@ -276,7 +284,8 @@ def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[T
             )
         records, source = data.bundled("code_math"), "code_math"
     else:
-        raise data.DataError(f"dataset must be 'bundled', 'dapo' or 'aime2025', got {dataset!r}")
+        raise data.DataError(f"dataset must be 'bundled', '{math_large.NAME}', 'dapo' or "
+                             f"'aime2025', got {dataset!r}")
     tasks = []
     for index, record in enumerate(records):
         problem, answer = _problem(record), _answer(record)

@@ -6,6 +6,7 @@ from typing import Any
 
 from agent_gym import data
 from agent_gym.env.base import Opening, OutcomeEnv, Task, Transition
+from agent_gym.envs import math_large
 from agent_gym.rewards import DEFAULT_MATH_TIMEOUT, extract_gsm8k_answer, score_math
 
 SYSTEM_PROMPT = (
@@ -32,14 +33,19 @@ class GSM8KEnv(OutcomeEnv):
     terminates the episode, answered or not (a cut would tell a trainer there was more to come).
     Info: ``answer`` (what was read, or None) and ``correct``; ``no_answer`` on an unanswered
     last step.
-    Trust: ``data_path``, ``split`` (a hub download) and ``math_timeout`` are host settings,
-    never taken from a saved state (``agent_gym.make_from_state`` takes them from its caller).
+    Trust: ``data_path``, ``dataset``, ``split`` (a hub download) and ``math_timeout`` are
+    host settings, never taken from a saved state (``agent_gym.make_from_state`` takes them
+    from its caller).
 
     Args:
         data_path: a JSONL/parquet file with ``question`` and ``answer`` (GSM8K format,
-            ``#### n`` at the end); overrides ``split``.
-        split: load ``openai/gsm8k`` (config ``main``) from the hub, e.g. ``"test"``.
-            Neither given: the bundled original set.
+            ``#### n`` at the end); overrides ``dataset`` and ``split``.
+        dataset: ``"bundled"`` (54 original problems; with ``split``, ``openai/gsm8k`` from
+            the hub) or ``"math-large"`` (1000 train / 250 test original problems whose
+            splits share no name or object: ``agent_gym.envs.math_large``).
+        split: with ``"bundled"``, the ``openai/gsm8k`` split (config ``main``) to load
+            from the hub, e.g. ``"test"``; with ``"math-large"``, ``"train"`` or ``"test"``
+            (default: both).
         max_turns: replies allowed (1 = single-turn).
         reward_correct, reward_incorrect: the two outcome rewards.
         invalid_penalty: subtracted from the reward of a reply without a boxed answer.
@@ -48,11 +54,12 @@ class GSM8KEnv(OutcomeEnv):
 
     env_id = "agent_gym/GSM8K-v0"
     # Host files, the hub (network) and the grader's time budget: never from a state.
-    host_settings = frozenset({"data_path", "split", "math_timeout"})
+    host_settings = frozenset({"data_path", "dataset", "split", "math_timeout"})
 
     def __init__(
         self,
         data_path: str | None = None,
+        dataset: str = "bundled",
         split: str | None = None,
         max_turns: int = 1,
         reward_correct: float = 1.0,
@@ -62,7 +69,7 @@ class GSM8KEnv(OutcomeEnv):
         render_mode: str | None = None,
     ) -> None:
         super().__init__(
-            load_tasks(data_path, split),
+            load_tasks(data_path, dataset, split),
             max_turns=max_turns,
             reward_correct=reward_correct,
             reward_incorrect=reward_incorrect,
@@ -97,9 +104,13 @@ class GSM8KEnv(OutcomeEnv):
         )
 
 
-def load_tasks(data_path: str | None, split: str | None) -> list[Task]:
+def load_tasks(data_path: str | None, dataset: str, split: str | None) -> list[Task]:
     if data_path is not None:
         records, source = data.load_records(data_path), data_path
+    elif dataset == math_large.NAME:
+        records, source = math_large.records(split), math_large.NAME
+    elif dataset != "bundled":
+        raise data.DataError(f"dataset must be 'bundled' or '{math_large.NAME}', got {dataset!r}")
     elif split is not None:
         records, source = data.load_hub("openai/gsm8k", "main", split), "openai/gsm8k"
     else:

@@ -13,7 +13,8 @@ from agent_gym.rewards import extract_gsm8k_answer
 
 _OPERATORS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.USub: operator.neg,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.USub: operator.neg,
 }
 
 
