@@ -113,7 +113,7 @@ def main() -> int:
     metrics = {name: read_metrics(runs[name] / "metrics.jsonl") for name in SAMPLERS}
     budget = min(sum(row["cpu_step"] for row in rows) for rows in metrics.values())
     search_tasks = describe_env("agent_gym/Mixture-v0", {"members": MEMBERS}).parts[0].num_tasks
-    evals, figures = {}, {}
+    evals, figures, todo = {}, {}, []
     for name in SAMPLERS:
         kept = within(metrics[name], budget)
         step = len(kept)
@@ -122,8 +122,10 @@ def main() -> int:
         figures[name] = {**training_figures(kept, search_tasks), "checkpoint_step": step,
                          "steps_run": len(metrics[name])}
         if not eval_done(evals[name], 250):
-            stages.run(f"held_out_eval_{name}", [(name, held_out_eval(
-                f"local:smollm2@{checkpoint}", evals[name], precision))])
+            todo.append((name, held_out_eval(f"local:smollm2@{checkpoint}", evals[name],
+                                             precision)))
+    stages.run("held_out_evals", todo)
+    for name in SAMPLERS:
         figures[name]["held_out"] = summary(evals[name])
     paired = compare([read_run(evals["uniform"])], [read_run(evals["mixed"])], "uniform",
                      "mixed").overall
