@@ -347,12 +347,7 @@ class TextEnv(gymnasium.Env[str, str]):
                         faults=tuple(sorted(self._faults.items())), rng=self._rng)
 
     def _restore(self, state: EnvState | str | Mapping[str, Any]) -> tuple[str, ResetInfo]:
-        if isinstance(state, str | bytes):
-            state = EnvState.from_json(state)
-        elif isinstance(state, Mapping):
-            state = EnvState.from_dict(dict(state))
-        elif not isinstance(state, EnvState):
-            raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
+        state = EnvState.of(state)
         if state.env_id != self.env_id:
             raise StateError(f"state belongs to {state.env_id!r}, this env is {self.env_id!r}")
         saved = self.episode_settings(state.env_kwargs)

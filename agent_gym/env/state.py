@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -112,6 +113,18 @@ class EnvState:
         payload["digests"] = list(self.digests)
         payload["faults"] = [list(fault) for fault in self.faults]
         return json.dumps(payload, ensure_ascii=False, sort_keys=True)
+
+    @classmethod
+    def of(cls, state: object) -> EnvState:
+        """A state as ``reset(options={"state": ...})`` takes it: an ``EnvState``, its JSON
+        text or its dict (each checked as untrusted input)."""
+        if isinstance(state, str | bytes):
+            return cls.from_json(state)
+        if isinstance(state, Mapping):
+            return cls.from_dict(dict(state))
+        if isinstance(state, EnvState):
+            return state
+        raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
 
     @classmethod
     def from_json(cls, text: str | bytes) -> EnvState:

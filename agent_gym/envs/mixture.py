@@ -123,13 +123,7 @@ class MixtureEnv(gymnasium.Env[str, str]):
         if len(options) > 1:
             raise ValueError(f"options {sorted(set(options) - {'state'})} cannot be combined "
                              "with 'state'")
-        state = options["state"]
-        if isinstance(state, str | bytes):
-            state = EnvState.from_json(state)
-        elif isinstance(state, Mapping):
-            state = EnvState.from_dict(dict(state))
-        elif not isinstance(state, EnvState):
-            raise StateError(f"cannot restore from a {type(state).__name__}; pass an EnvState")
+        state = EnvState.of(options["state"])
         same_id = [i for i, env in enumerate(self.members) if env.env_id == state.env_id]
         if not same_id:
             raise StateError(f"state belongs to {state.env_id!r}, which is not a member of this "

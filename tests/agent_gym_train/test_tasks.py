@@ -13,6 +13,7 @@ import pytest
 
 from agent_gym.env import EnvPart
 from agent_gym_train.grpo import train
+from agent_gym_train.runfiles import Metrics
 from agent_gym_train.tasks import FLOOR, TaskSampler
 from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
 from tests.helpers.grpo_toy import DIGITS, ENV_ID
@@ -50,14 +51,22 @@ def test_a_continued_run_rebuilds_the_sampler_from_its_metrics_lines() -> None:
 def test_grpo_with_the_mixed_sampler_continues_as_if_never_stopped(
     toy_model: str, tmp_path: Path  # noqa: F811
 ) -> None:
-    settings = {"batch_size": 2, "group_size": 4, "task_sampler": "mixed", "save_every": 1}
-    straight = train(toy_args(toy_model, tmp_path / "straight", steps=6, **settings))
-    train(toy_args(toy_model, tmp_path / "stopped", steps=3, **settings))
-    train(toy_args(toy_model, tmp_path / "stopped", steps=6, **settings))
-    lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
-    continued = [json.loads(line) for line in lines]
+    straight, continued = straight_and_continued(toy_model, tmp_path, {})
     assert [r["task_outcomes"] for r in continued] == [r["task_outcomes"] for r in straight]
     assert all(len(r["task_outcomes"]) >= 1 for r in straight)
+
+
+def straight_and_continued(model: str, tmp_path: Path, settings: dict[str, object]
+                           ) -> tuple[list[Metrics], list[Metrics]]:
+    """The metrics of a 6-step GRPO run with the mixed sampler, and of the same run stopped
+    after 3 steps and continued."""
+    settings = {"batch_size": 2, "group_size": 4, "task_sampler": "mixed", "save_every": 1,
+                **settings}
+    straight = train(toy_args(model, tmp_path / "straight", steps=6, **settings))
+    train(toy_args(model, tmp_path / "stopped", steps=3, **settings))
+    train(toy_args(model, tmp_path / "stopped", steps=6, **settings))
+    lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+    return straight, [json.loads(line) for line in lines]
 
 
 def test_uniform_gives_each_part_its_weight_whatever_its_size() -> None:
@@ -90,13 +99,8 @@ def test_grpo_over_a_mixture_draws_both_members_and_continues_as_if_never_stoppe
 ) -> None:
     members = [{"env_id": ENV_ID, "env_kwargs": {"max_turns": 2}, "weight": 3},
                {"env_id": ENV_ID, "env_kwargs": {"max_turns": 1}}]
-    settings = {"batch_size": 2, "group_size": 4, "task_sampler": "mixed", "save_every": 1,
-                "env_id": "agent_gym/Mixture-v0", "env_kwargs": {"members": members}}
-    straight = train(toy_args(toy_model, tmp_path / "straight", steps=6, **settings))
-    train(toy_args(toy_model, tmp_path / "stopped", steps=3, **settings))
-    train(toy_args(toy_model, tmp_path / "stopped", steps=6, **settings))
-    lines = (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
-    continued = [json.loads(line) for line in lines]
+    straight, continued = straight_and_continued(toy_model, tmp_path, {
+        "env_id": "agent_gym/Mixture-v0", "env_kwargs": {"members": members}})
     assert [r["task_outcomes"] for r in continued] == [r["task_outcomes"] for r in straight]
     assert [r["datums_digest"] for r in continued] == [r["datums_digest"] for r in straight]
     drawn = {int(i) for r in straight for i in r["task_outcomes"]}
