@@ -127,7 +127,7 @@ def main() -> int:
     figures = {name: {**training_figures(metrics[name][:steps[name][0]], search_tasks),
                       "checkpoint_step": steps[name][0], "steps_run": steps[name][1],
                       "held_out": summary(evals[name, steps[name][0]]),
-                      "held_out_after_every_step": summary(evals[name, steps[name][1]])}
+                      "held_out_final_checkpoint": summary(evals[name, steps[name][1]])}
                for name in SAMPLERS}
 
     def mixed_minus_uniform(which: int) -> dict[str, Any]:

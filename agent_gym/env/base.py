@@ -346,20 +346,29 @@ class TextEnv(gymnasium.Env[str, str]):
                         digests=tuple(self._digests),
                         faults=tuple(sorted(self._faults.items())), rng=self._rng)
 
-    def _restore(self, state: EnvState | str | Mapping[str, Any]) -> tuple[str, ResetInfo]:
-        state = EnvState.of(state)
+    def state_mismatch(self, state: EnvState) -> str | None:
+        """Why this env cannot restore ``state`` before replaying it (another env, other
+        episode settings, more actions than its turns, a task not in its data), or None.
+        Checked before any work that grows with the state's length."""
         if state.env_id != self.env_id:
-            raise StateError(f"state belongs to {state.env_id!r}, this env is {self.env_id!r}")
+            return f"state belongs to {state.env_id!r}, this env is {self.env_id!r}"
         saved = self.episode_settings(state.env_kwargs)
         own = self.episode_settings(_json_kwargs(self.env_id, self._env_kwargs))
         if saved != own:
-            raise StateError(f"state was saved from {self.env_id} with the settings {saved}, this "
-                             f"one has {own}; use agent_gym.make_from_state(state)")
-        if state.depth > self.max_turns:  # before any work that grows with its length
-            raise StateError(f"the state has {state.depth} actions; an episode of this "
-                             f"{self.env_id} takes at most max_turns={self.max_turns}")
+            return (f"state was saved from {self.env_id} with the settings {saved}, this one "
+                    f"has {own}; use agent_gym.make_from_state(state)")
+        if state.depth > self.max_turns:
+            return (f"the state has {state.depth} actions; an episode of this {self.env_id} "
+                    f"takes at most max_turns={self.max_turns}")
         if state.task_id not in self._task_index:
-            raise StateError(f"task {state.task_id!r} of the saved state is not in this env's data")
+            return f"task {state.task_id!r} of the saved state is not in this env's data"
+        return None
+
+    def _restore(self, state: EnvState | str | Mapping[str, Any]) -> tuple[str, ResetInfo]:
+        state = EnvState.of(state)
+        mismatch = self.state_mismatch(state)
+        if mismatch is not None:
+            raise StateError(mismatch)
         super().reset(seed=state.seed)
         if state.rng is not None:  # as the original was after its reset; seed stays the same
             self._np_random = decode_rng(state.rng)

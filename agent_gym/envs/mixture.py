@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import gymnasium
 import numpy as np
 
-from agent_gym.env.base import EnvPart, TextEnv, _json_kwargs
+from agent_gym.env.base import EnvPart, TextEnv
 from agent_gym.env.spaces import UnicodeText
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.env.types import ResetInfo, StepInfo
@@ -55,22 +55,21 @@ class MixtureEnv(gymnasium.Env[str, str]):
         if isinstance(members, str | bytes) or not isinstance(members, Sequence) or not members:
             raise ValueError("members must be a non-empty list of {env_id, env_kwargs, weight}")
         specs = [_member_spec(i, member) for i, member in enumerate(members)]
-        self._env_kwargs = {"members": [dict(spec) for spec in specs]}
         self.render_mode = render_mode
         self.members: list[TextEnv] = []
         try:
             for spec in specs:
-                env = gymnasium.make(spec["env_id"], **spec["env_kwargs"],
+                env = gymnasium.make(spec.env_id, **spec.env_kwargs,
                                      render_mode=render_mode).unwrapped
                 if not isinstance(env, TextEnv):
                     env.close()
-                    raise ValueError(f"mixture member {spec['env_id']} does not save and "
+                    raise ValueError(f"mixture member {spec.env_id} does not save and "
                                      "restore states (not an agent_gym TextEnv)")
                 self.members.append(env)
         except BaseException:
             self.close()
             raise
-        self.weights = [float(spec["weight"]) for spec in specs]
+        self.weights = [spec.weight for spec in specs]
         self._offsets = np.cumsum([0, *(env.num_tasks for env in self.members)])
         self.max_turns = max(env.max_turns for env in self.members)
         self.observation_space = UnicodeText(max(_length(env.observation_space)
@@ -95,8 +94,11 @@ class MixtureEnv(gymnasium.Env[str, str]):
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[str, ResetInfo]:
         options = dict(options or {})
-        if "state" in options:
-            return self._restore(options)
+        state = options.pop("state", None)
+        if state is not None:
+            if options:
+                raise ValueError(f"options {sorted(options)} cannot be combined with 'state'")
+            return self._restore(state)
         super().reset(seed=seed)
         unknown = set(options) - {"index"}
         if unknown:
@@ -118,23 +120,25 @@ class MixtureEnv(gymnasium.Env[str, str]):
             seed=seed, options={"index": int(index - self._offsets[member])})
         return observation, _with_member(info, member)
 
-    def _restore(self, options: Mapping[str, Any]) -> tuple[str, ResetInfo]:
-        """Restore a member's state in the member that matches its env id and settings."""
-        if len(options) > 1:
-            raise ValueError(f"options {sorted(set(options) - {'state'})} cannot be combined "
-                             "with 'state'")
-        state = EnvState.of(options["state"])
-        same_id = [i for i, env in enumerate(self.members) if env.env_id == state.env_id]
-        if not same_id:
-            raise StateError(f"state belongs to {state.env_id!r}, which is not a member of this "
-                             f"mixture ({', '.join(env.env_id for env in self.members)})")
-        # The member with the state's episode settings; when none has them, the first of that
-        # id refuses the state and says which settings differ.
-        member = next((i for i in same_id if _settings_of(self.members[i])
-                       == self.members[i].episode_settings(state.env_kwargs)), same_id[0])
-        observation, info = self.members[member].reset(options={"state": state})
-        self._playing = self.members[member]
-        return observation, _with_member(info, member)
+    def _restore(self, state: object) -> tuple[str, ResetInfo]:
+        """Restore a member's state in the one member that can (the env id, episode
+        settings and data that hold its task): two members that share an id can differ
+        only in data sources, which a state never names."""
+        state = EnvState.of(state)
+        able = [i for i, env in enumerate(self.members) if env.state_mismatch(state) is None]
+        if len(able) > 1:
+            raise StateError(f"the state's task {state.task_id!r} is in members {able} of this "
+                             "mixture alike: restore it in the member env itself")
+        if not able:
+            same_id = [env for env in self.members if env.env_id == state.env_id]
+            if not same_id:
+                raise StateError(f"state belongs to {state.env_id!r}, which is not a member of "
+                                 f"this mixture ({', '.join(e.env_id for e in self.members)})")
+            raise StateError(f"no member of this mixture can restore the state: "
+                             f"{same_id[0].state_mismatch(state)}")
+        observation, info = self.members[able[0]].reset(options={"state": state})
+        self._playing = self.members[able[0]]
+        return observation, _with_member(info, able[0])
 
     def step(self, action: str) -> tuple[str, float, bool, bool, StepInfo]:
         return self._current().step(action)
@@ -147,8 +151,15 @@ class MixtureEnv(gymnasium.Env[str, str]):
         return self._current().render()
 
     def close(self) -> None:
+        """Close every member, even when one fails to (the first failure is raised)."""
+        failure: Exception | None = None
         for env in self.members:
-            env.close()
+            try:
+                env.close()
+            except Exception as err:  # the others still hold sandboxes or engines
+                failure = failure or err
+        if failure is not None:
+            raise failure
 
     def _current(self) -> TextEnv:
         if self._playing is None:
@@ -156,8 +167,16 @@ class MixtureEnv(gymnasium.Env[str, str]):
         return self._playing
 
 
-def _member_spec(position: int, member: object) -> dict[str, Any]:
-    """A member as ``{env_id, env_kwargs, weight}``, or a one-line error naming it."""
+class Member(NamedTuple):
+    """One member as its constructor arguments give it."""
+
+    env_id: str
+    env_kwargs: dict[str, Any]
+    weight: float
+
+
+def _member_spec(position: int, member: object) -> Member:
+    """A member's ``{env_id, env_kwargs, weight}`` checked, or a one-line error naming it."""
     where = f"mixture member {position}"
     if not isinstance(member, Mapping):
         raise ValueError(f"{where} must be an object with env_id (and env_kwargs, weight)")
@@ -175,12 +194,7 @@ def _member_spec(position: int, member: object) -> dict[str, Any]:
     if isinstance(weight, bool) or not isinstance(weight, int | float) \
             or not math.isfinite(weight) or weight <= 0:
         raise ValueError(f"{where}: weight must be a positive number, got {weight!r}")
-    return {"env_id": env_id, "env_kwargs": dict(kwargs), "weight": float(weight)}
-
-
-def _settings_of(env: TextEnv) -> dict[str, Any]:
-    """The episode settings ``env`` was built with, as a state records them."""
-    return env.episode_settings(_json_kwargs(env.env_id, env._env_kwargs))
+    return Member(env_id, dict(kwargs), float(weight))
 
 
 def _length(space: gymnasium.Space[str]) -> int:

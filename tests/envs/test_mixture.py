@@ -10,7 +10,7 @@ import gymnasium
 import pytest
 
 import agent_gym
-from agent_gym import StateError
+from agent_gym import StateError, TextEnv
 from agent_gym.env import EnvPart
 
 GSM8K = {"env_id": "agent_gym/GSM8K-v0", "weight": 3}
@@ -83,6 +83,27 @@ def test_a_state_goes_to_the_member_with_its_settings() -> None:
         env.close()
 
 
+def test_members_that_differ_only_in_their_data_route_states_by_task() -> None:
+    large = {"env_id": "agent_gym/GSM8K-v0", "env_kwargs": {"dataset": "math-large",
+                                                            "split": "train"}}
+    env = mixture(GSM8K, large)
+    n = env.unwrapped.parts[0].num_tasks
+    try:
+        for index, member in ((3, 0), (n + 2, 1)):
+            env.reset(seed=0, options={"index": index})
+            state = env.unwrapped.save_state()
+            _, info = env.reset(options={"state": state})
+            assert info["member"] == member
+        _, info = env.reset(options={"index": 1, "state": None})  # no state: a fresh task
+        assert info["member"] == 0
+        with pytest.raises(StateError, match="members \\[0, 1\\] of this mixture alike"):
+            mixture(GSM8K, GSM8K).reset(options={"state": env.unwrapped.save_state()})
+        with pytest.raises(StateError, match="no member of this mixture can restore"):
+            mixture(large).reset(options={"state": env.unwrapped.save_state()})
+    finally:
+        env.close()
+
+
 def test_reset_without_a_task_draws_members_by_weight_not_by_size() -> None:
     env = mixture({**GSM8K, "weight": 1}, {**SEARCH, "weight": 1})
     try:
@@ -110,9 +131,20 @@ def test_bad_members_are_refused_in_one_line(members: object, message: str) -> N
         gymnasium.make("agent_gym/Mixture-v0", members=members)
 
 
-def test_a_member_the_env_refuses_fails_the_mixture_and_closes_the_others() -> None:
+def test_a_member_the_env_refuses_fails_the_mixture_and_closes_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closed: list[str] = []
+    close = TextEnv.close
+
+    def spy(env: TextEnv) -> None:
+        closed.append(env.env_id)
+        close(env)
+
+    monkeypatch.setattr(TextEnv, "close", spy)
     with pytest.raises(TypeError, match="no_such_setting"):
         mixture(GSM8K, {"env_id": "agent_gym/Search-v0", "env_kwargs": {"no_such_setting": 1}})
+    assert closed == ["agent_gym/GSM8K-v0"]  # the member built before the one refused
     with pytest.raises(gymnasium.error.Error):
         mixture({"env_id": "agent_gym/NoSuchEnv-v0"})
 
