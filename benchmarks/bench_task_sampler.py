@@ -1,7 +1,8 @@
 """GRPO over a mixture of envs: the task sampler that prefers mixed outcomes, against uniform
 draws, at equal CPU time.
 
-    python benchmarks/bench_task_sampler.py [--sft RUN_DIR] [--work DIR] [--steps 10] [--seed 0]
+    python benchmarks/bench_task_sampler.py [--sft RUN_DIR] [--work DIR] [--steps 10]
+                                            [--seeds 0 1]
 
 The run trains over ``agent_gym/Mixture-v0`` of two envs with equal weights: Search-v0's
 ``world-large`` train questions (1000) and GSM8K-v0's bundled problems (54), starting from
@@ -12,7 +13,7 @@ learning signal for the current policy, as a curriculum has while a skill is out
 Uniform draws spend half their groups on it whatever happens; ``--task-sampler mixed``
 learns, from the groups it has seen, which member teaches (``agent_gym_train.tasks``).
 
-Both runs: the same seed and settings (``--preset cpu-demo``, 4 tasks x 8 branches,
+Per seed, both runs: the same seed and settings (``--preset cpu-demo``, 4 tasks x 8 branches,
 learning rate 1e-4, bfloat16 sampling copy where the CPU has bf16 units), one torch thread
 each, side by side, a checkpoint every step. Each metrics line carries the process's CPU
 seconds (``cpu_step``), so the comparison is at **equal CPU time**: the budget is the
@@ -97,7 +98,7 @@ def main() -> int:
     parser.add_argument("--work", default="runs/bench-task-sampler",
                         help="where the runs go (recorded as $WORK)")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--out", default=str(RESULTS / "task_sampler.json"))
     args = parser.parse_args()
     work, sft = Path(args.work).resolve(), Path(args.sft).resolve()
@@ -107,57 +108,71 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     precision = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
     stages = Stages(work)
-    runs = {name: work / f"grpo-{name}" for name in SAMPLERS}
-    stages.run("grpo", [(name, grpo_command(sft, runs[name], name, args.seed, args.steps,
-                                            precision))
-                        for name in SAMPLERS if checkpoint_step(runs[name]) < args.steps])
+    per_seed = {str(seed): one_seed(stages, work / f"seed{seed}", sft, seed, args.steps,
+                                    precision) for seed in args.seeds}
+    result = Result(placeholders={str(work): "$WORK", str(sft): "$SFT"})
+    result.figures |= {
+        "mixture": MEMBERS, "init_from": "$SFT", "steps": args.steps,
+        "sampler_precision": precision,
+        "commands": {
+            "grpo": " ".join(grpo_command(Path("$SFT"), Path("OUT"), "SAMPLER", 0, args.steps,
+                                          precision)[2:]).replace("--seed 0", "--seed SEED"),
+            "eval": " ".join(held_out_eval("POLICY", Path("OUT"), precision)[2:]),
+            "compare": "agent-gym compare UNIFORM_EVAL MIXED_EVAL"},
+        "seeds": per_seed,
+        "mean_over_seeds": {
+            key: round(sum(seed[key]["difference"] for seed in per_seed.values())
+                       / len(per_seed), 3)
+            for key in ("held_out_mixed_minus_uniform",
+                        "held_out_mixed_minus_uniform_at_equal_steps")},
+        "timings": stages.timings,
+    }
+    result.write(args.out)
+    print(json.dumps(result.figures, indent=1))
+    return 0
 
+
+def one_seed(stages: Stages, work: Path, sft: Path, seed: int, steps: int, precision: str
+             ) -> dict[str, Any]:
+    """Both samplers' runs of one seed, side by side; each judged at the pair's CPU budget
+    (the smaller total) and at its last step (equal updates)."""
+    runs = {name: work / f"grpo-{name}" for name in SAMPLERS}
+    stages.run(f"grpo seed {seed}", [
+        (name, grpo_command(sft, runs[name], name, seed, steps, precision))
+        for name in SAMPLERS if checkpoint_step(runs[name]) < steps])
     metrics = {name: read_metrics(runs[name] / "metrics.jsonl") for name in SAMPLERS}
     budget = min(sum(row["cpu_step"] for row in rows) for rows in metrics.values())
     search_tasks = describe_env("agent_gym/Mixture-v0", {"members": MEMBERS}).parts[0].num_tasks
-    # Each run at the budget's last step (equal CPU) and at its last step (equal updates).
-    steps = {name: (len(within(metrics[name], budget)), len(metrics[name])) for name in SAMPLERS}
+    judged = {name: (len(within(metrics[name], budget)), len(metrics[name])) for name in SAMPLERS}
     evals = {(name, step): work / f"eval-{name}-step{step}"
-             for name in SAMPLERS for step in steps[name]}
-    stages.run("held_out_evals", [
+             for name in SAMPLERS for step in judged[name]}
+    stages.run(f"held_out_evals seed {seed}", [
         (f"{name} step {step}", held_out_eval(
             f"local:smollm2@{next((runs[name] / 'checkpoints').glob(f'*/step-{step:06d}'))}",
             out, precision))
         for (name, step), out in evals.items() if not eval_done(out, 250)])
-    figures = {name: {**training_figures(metrics[name][:steps[name][0]], search_tasks),
-                      "checkpoint_step": steps[name][0], "steps_run": steps[name][1],
-                      "held_out": summary(evals[name, steps[name][0]]),
-                      "held_out_final_checkpoint": summary(evals[name, steps[name][1]])}
-               for name in SAMPLERS}
 
     def mixed_minus_uniform(which: int) -> dict[str, Any]:
-        paired = compare([read_run(evals["uniform", steps["uniform"][which]])],
-                         [read_run(evals["mixed", steps["mixed"][which]])], "uniform",
+        paired = compare([read_run(evals["uniform", judged["uniform"][which]])],
+                         [read_run(evals["mixed", judged["mixed"][which]])], "uniform",
                          "mixed").overall
         return {"difference": round(paired.difference, 3),
                 "ci95": [round(paired.low, 3), round(paired.high, 3)],
                 "only_uniform": paired.only_a, "only_mixed": paired.only_b,
                 "both": paired.both, "neither": paired.neither}
 
-    result = Result(placeholders={str(work): "$WORK", str(sft): "$SFT"})
-    result.figures |= {
-        "mixture": MEMBERS, "init_from": "$SFT", "seed": args.seed, "steps": args.steps,
-        "sampler_precision": precision, "cpu_budget_seconds": round(budget, 1),
-        "commands": {
-            "grpo": " ".join(grpo_command(Path("$SFT"), Path("OUT"), "SAMPLER", args.seed,
-                                          args.steps, precision)[2:]),
-            "eval": " ".join(held_out_eval("POLICY", Path("OUT"), precision)[2:]),
-            "compare": "agent-gym compare UNIFORM_EVAL MIXED_EVAL"},
-        "runs": figures,
+    return {
+        "cpu_budget_seconds": round(budget, 1),
+        "runs": {name: {**training_figures(metrics[name][:judged[name][0]], search_tasks),
+                        "checkpoint_step": judged[name][0], "steps_run": judged[name][1],
+                        "held_out": summary(evals[name, judged[name][0]]),
+                        "held_out_final_checkpoint": summary(evals[name, judged[name][1]])}
+                 for name in SAMPLERS},
         # the judged comparison: each run's checkpoint at the CPU budget
         "held_out_mixed_minus_uniform": mixed_minus_uniform(0),
         # for reading it: the two runs after the same number of updates (every step run)
         "held_out_mixed_minus_uniform_at_equal_steps": mixed_minus_uniform(1),
-        "timings": stages.timings,
     }
-    result.write(args.out)
-    print(json.dumps(result.figures, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
