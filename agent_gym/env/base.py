@@ -45,6 +45,7 @@ from agent_gym.env.state import (
     decode_rng,
     digest,
     encode_rng,
+    split_reset_options,
 )
 from agent_gym.env.types import BackendFailure, Opening, ResetInfo, StepInfo, Task, Transition
 
@@ -249,11 +250,8 @@ class TextEnv(gymnasium.Env[str, str]):
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[str, ResetInfo]:
         self._require_open()
-        options = dict(options or {})
-        state = options.pop("state", None)
+        state, options = split_reset_options(options)
         if state is not None:
-            if options:
-                raise ValueError(f"options {sorted(options)} cannot be combined with 'state'")
             return self._restore(state)
         super().reset(seed=seed)
         self._seed = seed

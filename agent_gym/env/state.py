@@ -58,6 +58,16 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+def split_reset_options(options: Mapping[str, Any] | None) -> tuple[object | None, dict[str, Any]]:
+    """``reset``'s options as (the state to restore, or None to start a task; the other
+    options). A state is restored as it was saved, so it comes alone."""
+    rest = dict(options or {})
+    state = rest.pop("state", None)
+    if state is not None and rest:
+        raise ValueError(f"options {sorted(rest)} cannot be combined with 'state'")
+    return state, rest
+
+
 @dataclass(frozen=True)
 class EnvState:
     """Everything needed to rebuild an episode on a fresh env and check it arrived.

@@ -11,7 +11,7 @@ import numpy as np
 
 from agent_gym.env.base import EnvPart, TextEnv
 from agent_gym.env.spaces import UnicodeText
-from agent_gym.env.state import EnvState, StateError
+from agent_gym.env.state import EnvState, StateError, split_reset_options
 from agent_gym.env.types import ResetInfo, StepInfo
 
 MEMBER_KEYS = frozenset({"env_id", "env_kwargs", "weight"})
@@ -93,11 +93,8 @@ class MixtureEnv(gymnasium.Env[str, str]):
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[str, ResetInfo]:
-        options = dict(options or {})
-        state = options.pop("state", None)
+        state, options = split_reset_options(options)
         if state is not None:
-            if options:
-                raise ValueError(f"options {sorted(options)} cannot be combined with 'state'")
             return self._restore(state)
         super().reset(seed=seed)
         unknown = set(options) - {"index"}
