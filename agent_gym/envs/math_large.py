@@ -19,6 +19,7 @@ refused, not silently measured on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -234,11 +235,19 @@ def records(split: str | None) -> list[dict[str, Any]]:
     """One split (``train``, ``test``) or both (None), checked against ``DIGEST``."""
     if split not in (*SPLITS, None):
         raise DataError(f"{NAME} has the splits {SPLITS}, not {split!r}")
+    made = _checked(SEED)
+    return [dict(r) for r in (made[split] if split else [*made["train"], *made["test"]])]
+
+
+@functools.cache
+def _checked(seed: int) -> dict[str, list[dict[str, Any]]]:
+    """The set generated and checked once per process: a run's env pool builds an env per
+    concurrent branch, and each would otherwise draw and hash all 1250 problems again."""
     made = generate()
     if digest(made) != DIGEST:
         raise DataError(f"this Python generated a different {NAME} set (digest {digest(made)}, "
                         f"recorded {DIGEST}); figures measured on it would not compare")
-    return made[split] if split else [*made["train"], *made["test"]]
+    return made
 
 
 def digest(made: dict[str, list[dict[str, Any]]]) -> str:

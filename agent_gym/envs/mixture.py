@@ -119,8 +119,8 @@ class MixtureEnv(gymnasium.Env[str, str]):
 
     def _restore(self, state: object) -> tuple[str, ResetInfo]:
         """Restore a member's state in the one member that can (the env id, episode
-        settings and data that hold its task): two members that share an id can differ
-        only in data sources, which a state never names."""
+        settings and data that hold its task): members of one id may differ only in their
+        data sources, which a state never names, so its task id is what tells them apart."""
         state = EnvState.of(state)
         able = [i for i, env in enumerate(self.members) if env.state_mismatch(state) is None]
         if len(able) > 1:
