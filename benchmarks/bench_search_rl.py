@@ -197,7 +197,8 @@ def main() -> int:
 
 
 def training_summary(run: Path) -> dict[str, Any]:
-    """Non-degenerate groups and training reward over the run, from its metrics."""
+    """Non-degenerate groups, training reward and the time the run took, from its metrics
+    (``cpu_step`` counts the CPU seconds of every thread of the training process)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     half = max(1, len(rows) // 2)
@@ -209,7 +210,10 @@ def training_summary(run: Path) -> dict[str, Any]:
     return {"steps": len(rows), "degenerate_rate_mean": mean("degenerate_rate", rows),
             "reward_first_half": mean("reward_mean", first),
             "reward_last_half": mean("reward_mean", last),
-            "step_seconds_mean": mean("time_step", rows)}
+            "step_seconds_mean": mean("time_step", rows),
+            # This seed alone: the stage's timings cover the seeds together.
+            "wall_seconds": round(sum(row["time_step"] for row in rows), 1),
+            "cpu_seconds": round(sum(row["cpu_step"] for row in rows), 1)}
 
 
 if __name__ == "__main__":
