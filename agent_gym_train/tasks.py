@@ -4,10 +4,12 @@ A group whose rewards are all equal (every branch solved the task, or none did) 
 advantage to learn from: its rollout time is spent for nothing. Which tasks give mixed
 outcomes changes as the policy learns: at first the easy ones, later the hard ones. So
 ``--task-sampler mixed`` keeps, per task, whether its last ``WINDOW`` groups had mixed
-outcomes, and draws tasks with probability proportional to the posterior mean of that
-(``(mixed + 1) / (groups + 2)``; a task never drawn takes its part's odds, below, which
-start even, so every task is tried), never below ``FLOOR`` (a task that has been
-all-or-nothing is still revisited, as the policy moves). ``uniform`` (the default) draws
+outcomes, and draws tasks with probability proportional to the posterior mean of that,
+never below ``FLOOR`` (a task that has been all-or-nothing is still revisited, as the
+policy moves). The prior of a task is its part's odds (below; they start even): a task
+never drawn takes them, and each group it plays moves it from there, ``(mixed + 2 p) /
+(groups + 2)``. So a task drawn once and found all-or-nothing always ranks below one not
+drawn yet, however rarely its part teaches. ``uniform`` (the default) draws
 as every run did before.
 
 An env made of parts (``agent_gym/Mixture-v0``: several envs, each with a weight) is drawn
@@ -27,6 +29,7 @@ what an uninterrupted run would have.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent_gym.env import EnvPart
-from agent_gym_train.runfiles import Metrics
+from agent_gym_train.runfiles import Metrics, RunConfigError
 
 SAMPLERS = ("uniform", "mixed")
 WINDOW = 4  # groups of a task remembered
@@ -56,6 +59,9 @@ class TaskSampler:
         if self.kind not in SAMPLERS:
             raise ValueError(f"task sampler {self.kind!r} is not one of {SAMPLERS}")
         self.parts = self.parts or (EnvPart(self.num_tasks, 1.0),)
+        for part in self.parts:
+            if part.num_tasks < 1 or not math.isfinite(part.weight) or part.weight <= 0:
+                raise ValueError(f"an env part needs tasks and a positive weight, got {part}")
         if sum(part.num_tasks for part in self.parts) != self.num_tasks:
             raise ValueError(f"the parts hold {sum(p.num_tasks for p in self.parts)} tasks, "
                              f"not {self.num_tasks}")
@@ -80,16 +86,23 @@ class TaskSampler:
                                 for part in self.parts])
         if self.kind == "uniform":
             return share
-        chance = np.concatenate([np.full(part.num_tasks, _posterior(self.part_outcomes.get(k)))
+        part_chance = [_posterior(self.part_outcomes.get(k), 0.5)
+                       for k in range(len(self.parts))]
+        chance = np.concatenate([np.full(part.num_tasks, part_chance[k])
                                  for k, part in enumerate(self.parts)])
         for index, seen in self.outcomes.items():
-            chance[index] = _posterior(seen)
+            chance[index] = _posterior(seen, part_chance[self._part_of(index)])
         return share * np.maximum(FLOOR, chance)
 
+    def _part_of(self, index: int) -> int:
+        return int(np.searchsorted(self._ends, index, side="right"))
+
     def observe(self, index: int, mixed: bool) -> None:
+        if isinstance(index, bool) or not 0 <= index < self.num_tasks:
+            raise ValueError(f"task index {index!r} is not in [0, {self.num_tasks})")
         self.outcomes.setdefault(index, deque(maxlen=WINDOW)).append(mixed)
-        part = int(np.searchsorted(self._ends, index, side="right"))
-        self.part_outcomes.setdefault(part, deque(maxlen=PART_WINDOW)).append(mixed)
+        self.part_outcomes.setdefault(self._part_of(index), deque(maxlen=PART_WINDOW)
+                                      ).append(mixed)
 
     def record(self, tasks: Sequence[Mapping[str, int]], mixed: Sequence[bool]) -> dict[str, int]:
         """Observe a step's groups as its metrics line keeps them (a task drawn twice in
@@ -103,17 +116,24 @@ class TaskSampler:
     @classmethod
     def from_metrics(cls, num_tasks: int, kind: str, rows: Iterable[Metrics],
                      parts: tuple[EnvPart, ...] = ()) -> TaskSampler:
-        """The sampler as it was after the steps of ``rows`` (a continued run's lines)."""
+        """The sampler as it was after the steps of ``rows`` (a continued run's lines); a
+        line naming a task the env does not have is a one-line error, not a guess."""
         sampler = cls(num_tasks, kind, parts)
         for row in rows:
             outcomes = row.get("task_outcomes")
-            if isinstance(outcomes, dict):
-                for index, mixed in outcomes.items():
-                    sampler.observe(int(index), bool(mixed))
+            if not isinstance(outcomes, dict):
+                continue
+            for index, mixed in outcomes.items():
+                if not (isinstance(index, str) and index.isascii() and index.isdigit()
+                        and int(index) < num_tasks):
+                    raise RunConfigError(f"metrics line of step {row.get('step')} names task "
+                                         f"{index!r}; the env has tasks 0..{num_tasks - 1}")
+                sampler.observe(int(index), bool(mixed))
         return sampler
 
 
-def _posterior(seen: Iterable[bool] | None) -> float:
-    """The posterior mean chance of a mixed group, from even odds: (mixed + 1) / (n + 2)."""
+def _posterior(seen: Iterable[bool] | None, prior: float) -> float:
+    """The posterior mean chance of a mixed group, from a prior mean ``prior`` worth two
+    groups: (mixed + 2 prior) / (n + 2)."""
     seen = list(seen or ())
-    return (sum(seen) + 1) / (len(seen) + 2)
+    return (sum(seen) + 2 * prior) / (len(seen) + 2)

@@ -350,8 +350,7 @@ class TextEnv(gymnasium.Env[str, str]):
         Checked before any work that grows with the state's length."""
         if state.env_id != self.env_id:
             return f"state belongs to {state.env_id!r}, this env is {self.env_id!r}"
-        saved = self.episode_settings(state.env_kwargs)
-        own = self.episode_settings(_json_kwargs(self.env_id, self._env_kwargs))
+        saved, own = self.episode_settings(state.env_kwargs), self.settings
         if saved != own:
             return (f"state was saved from {self.env_id} with the settings {saved}, this one "
                     f"has {own}; use agent_gym.make_from_state(state)")
@@ -463,6 +462,15 @@ class TextEnv(gymnasium.Env[str, str]):
             return self.tasks[int(index)]
         return self.tasks[int(self.np_random.integers(len(self.tasks)))]
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """This env's episode settings: what a saved state must match to restore here."""
+        return self.episode_settings(_json_kwargs(self.env_id, self._env_kwargs))
+
+    def task_position(self, task_id: str) -> int | None:
+        """The index of the task ``task_id`` in this env's data, or None if it lacks it."""
+        return self._task_index.get(task_id)
+
     def episode_settings(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The settings of ``kwargs`` that define an episode: all but ``host_settings``."""
         return {k: v for k, v in kwargs.items() if k not in self.host_settings}
@@ -487,8 +495,7 @@ class TextEnv(gymnasium.Env[str, str]):
         fingerprint = self._fingerprint(task)
         if fingerprint is None:
             return None
-        settings = self.episode_settings(_json_kwargs(self.env_id, self._env_kwargs))
-        return [self.env_id, settings, task.task_id, fingerprint]
+        return [self.env_id, self.settings, task.task_id, fingerprint]
 
     def _opening_info(self, opening: Opening) -> ResetInfo:
         return cast(ResetInfo, {**opening.info, "task_id": self.task.task_id,

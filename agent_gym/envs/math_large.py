@@ -212,10 +212,10 @@ TEMPLATES: tuple[Template, ...] = (
 )
 
 
-def generate() -> dict[str, list[dict[str, Any]]]:
+def generate(seed: int = SEED) -> dict[str, list[dict[str, Any]]]:
     """The records of both splits: ``question`` and ``answer`` as GSM8K's loader reads them,
     the answer's ``value`` and the ``program`` that computes it."""
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     out: dict[str, list[dict[str, Any]]] = {}
     for split in SPLITS:
         per_template = TEST_PER_TEMPLATE * (TRAIN_SCALE if split == "train" else 1)
@@ -243,7 +243,7 @@ def records(split: str | None) -> list[dict[str, Any]]:
 def _checked(seed: int) -> dict[str, list[dict[str, Any]]]:
     """The set generated and checked once per process: a run's env pool builds an env per
     concurrent branch, and each would otherwise draw and hash all 1250 problems again."""
-    made = generate()
+    made = generate(seed)
     if digest(made) != DIGEST:
         raise DataError(f"this Python generated a different {NAME} set (digest {digest(made)}, "
                         f"recorded {DIGEST}); figures measured on it would not compare")

@@ -9,10 +9,11 @@ from typing import Any, NamedTuple
 import gymnasium
 import numpy as np
 
+from agent_gym.actions.protocols import ActionProtocol
 from agent_gym.env.base import EnvPart, TextEnv
 from agent_gym.env.spaces import UnicodeText
 from agent_gym.env.state import EnvState, StateError, split_reset_options
-from agent_gym.env.types import ResetInfo, StepInfo
+from agent_gym.env.types import ResetInfo, StepInfo, Task
 
 MEMBER_KEYS = frozenset({"env_id", "env_kwargs", "weight"})
 
@@ -36,10 +37,12 @@ class MixtureEnv(gymnasium.Env[str, str]):
     tasks evenly), not in proportion to its number of tasks. ``reset`` without a task draws
     the same way.
 
-    Reset options: ``index`` (0 .. num_tasks - 1 across members), ``state`` (a member's
-    saved state: routed to the member with that env id and those episode settings), or none.
-    ``max_turns`` is the largest member budget; each member still ends its episodes at its
-    own.
+    Reset options: ``index`` (0 .. num_tasks - 1 across members), ``task_id`` (a task id
+    that one member holds), ``state`` (a member's saved state: restored by the member of
+    that env id, those episode settings and the data that holds its task), or none. Members
+    a saved state could not tell apart (one env id, the same settings, a task id in both)
+    are refused when the mixture is built. ``max_turns`` is the largest member budget; each
+    member still ends its episodes at its own.
 
     Args:
         members: a list of ``{"env_id": ..., "env_kwargs": {...}, "weight": w}``; each
@@ -58,14 +61,9 @@ class MixtureEnv(gymnasium.Env[str, str]):
         self.render_mode = render_mode
         self.members: list[TextEnv] = []
         try:
-            for spec in specs:
-                env = gymnasium.make(spec.env_id, **spec.env_kwargs,
-                                     render_mode=render_mode).unwrapped
-                if not isinstance(env, TextEnv):
-                    env.close()
-                    raise ValueError(f"mixture member {spec.env_id} does not save and "
-                                     "restore states (not an agent_gym TextEnv)")
-                self.members.append(env)
+            for position, spec in enumerate(specs):
+                self.members.append(_build(position, spec, render_mode))
+            _refuse_alike(self.members)
         except BaseException:
             self.close()
             raise
@@ -88,6 +86,18 @@ class MixtureEnv(gymnasium.Env[str, str]):
                      for env, weight in zip(self.members, self.weights, strict=True))
 
     @property
+    def tasks(self) -> list[Task]:
+        """Every member's tasks, in task-index order."""
+        return [task for env in self.members for task in env.tasks]
+
+    @property
+    def protocol(self) -> ActionProtocol | None:
+        """The action protocol of the member playing the episode (scripted policies and the
+        trainer adapters phrase their commands in it); None before a reset, or for a member
+        that has none."""
+        return getattr(self._playing, "protocol", None)
+
+    @property
     def turn(self) -> int:
         return self._current().turn
 
@@ -97,11 +107,13 @@ class MixtureEnv(gymnasium.Env[str, str]):
         if state is not None:
             return self._restore(state)
         super().reset(seed=seed)
-        unknown = set(options) - {"index"}
-        if unknown:
-            raise ValueError(f"unknown reset options {sorted(unknown)} for a mixture; use "
-                             "index or state")
-        if "index" in options:
+        unknown = set(options) - {"index", "task_id"}
+        if unknown or len(options) > 1:
+            raise ValueError(f"reset options {sorted(options)} for a mixture: give one of "
+                             "index, task_id or state")
+        if "task_id" in options:
+            index = self._index_of(options["task_id"])
+        elif "index" in options:
             index = options["index"]
             if not isinstance(index, int | np.integer) or isinstance(index, bool) \
                     or not 0 <= index < self.num_tasks:
@@ -112,27 +124,40 @@ class MixtureEnv(gymnasium.Env[str, str]):
             index = int(self._offsets[member]
                         + self.np_random.integers(self.members[member].num_tasks))
         member = int(np.searchsorted(self._offsets, index, side="right")) - 1
-        self._playing = self.members[member]
-        observation, info = self._playing.reset(
+        observation, info = self.members[member].reset(
             seed=seed, options={"index": int(index - self._offsets[member])})
+        self._playing = self.members[member]
         return observation, _with_member(info, member)
+
+    def _index_of(self, task_id: object) -> int:
+        if not isinstance(task_id, str):
+            raise ValueError(f"task_id must be a string, got {task_id!r}")
+        found = [(k, position) for k, env in enumerate(self.members)
+                 if (position := env.task_position(task_id)) is not None]
+        if not found:
+            raise KeyError(f"no member of this mixture has a task with id {task_id!r}")
+        if len(found) > 1:
+            raise ValueError(f"task id {task_id!r} is in members {[k for k, _ in found]} "
+                             "alike (other episode settings): reset by index instead")
+        member, position = found[0]
+        return int(self._offsets[member]) + position
 
     def _restore(self, state: object) -> tuple[str, ResetInfo]:
         """Restore a member's state in the one member that can (the env id, episode
         settings and data that hold its task): members of one id may differ only in their
         data sources, which a state never names, so its task id is what tells them apart."""
         state = EnvState.of(state)
+        # At most one member can: the mixture refused members a state could not tell apart.
         able = [i for i, env in enumerate(self.members) if env.state_mismatch(state) is None]
-        if len(able) > 1:
-            raise StateError(f"the state's task {state.task_id!r} is in members {able} of this "
-                             "mixture alike: restore it in the member env itself")
         if not able:
-            same_id = [env for env in self.members if env.env_id == state.env_id]
+            same_id = [(k, env) for k, env in enumerate(self.members)
+                       if env.env_id == state.env_id]
             if not same_id:
                 raise StateError(f"state belongs to {state.env_id!r}, which is not a member of "
                                  f"this mixture ({', '.join(e.env_id for e in self.members)})")
-            raise StateError(f"no member of this mixture can restore the state: "
-                             f"{same_id[0].state_mismatch(state)}")
+            reasons = "; ".join(f"member {k}: {env.state_mismatch(state)}"
+                                for k, env in same_id)
+            raise StateError(f"no member of this mixture can restore the state ({reasons})")
         observation, info = self.members[able[0]].reset(options={"state": state})
         self._playing = self.members[able[0]]
         return observation, _with_member(info, able[0])
@@ -188,10 +213,42 @@ def _member_spec(position: int, member: object) -> Member:
         raise ValueError(f"{where} is itself a mixture: list its members instead")
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"{where}: env_kwargs must be an object of constructor arguments")
+    if "render_mode" in kwargs:
+        raise ValueError(f"{where}: render_mode is the mixture's argument, not a member's")
     if isinstance(weight, bool) or not isinstance(weight, int | float) \
             or not math.isfinite(weight) or weight <= 0:
         raise ValueError(f"{where}: weight must be a positive number, got {weight!r}")
     return Member(env_id, dict(kwargs), float(weight))
+
+
+def _build(position: int, spec: Member, render_mode: str | None) -> TextEnv:
+    """A member env, or a one-line error that names the member."""
+    where = f"mixture member {position} ({spec.env_id})"
+    try:
+        env = gymnasium.make(spec.env_id, **spec.env_kwargs, render_mode=render_mode).unwrapped
+    except (gymnasium.error.Error, TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"{where}: {err}") from err
+    if not isinstance(env, TextEnv):
+        env.close()
+        raise ValueError(f"{where} does not save and restore states (not an agent_gym "
+                         "TextEnv)")
+    return env
+
+
+def _refuse_alike(members: Sequence[TextEnv]) -> None:
+    """Refuse two members of one env id and the same episode settings that share a task id:
+    a state saved in either would restore in both, so it could not find its way back."""
+    for later, env in enumerate(members):
+        for earlier, other in enumerate(members[:later]):
+            if env.env_id != other.env_id or env.settings != other.settings:
+                continue
+            shared = next((task.task_id for task in env.tasks
+                           if other.task_position(task.task_id) is not None), None)
+            if shared is not None:
+                raise ValueError(
+                    f"mixture members {earlier} and {later} ({env.env_id}, the same episode "
+                    f"settings) both have task {shared!r}: a saved state could not tell them "
+                    "apart; give them data with other task ids, or other settings")
 
 
 def _length(space: gymnasium.Space[str]) -> int:

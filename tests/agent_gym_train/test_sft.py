@@ -75,6 +75,20 @@ def test_a_multi_turn_demonstration_trains_only_its_actions() -> None:
     assert renderer.completion_text(list(second)) == demo.actions[1]
 
 
+def test_a_mixtures_oracle_demonstrations_play_in_their_members() -> None:
+    make = functools.partial(gymnasium.make, "agent_gym/Mixture-v0", members=[
+        {"env_id": "agent_gym/GSM8K-v0"}, {"env_id": "agent_gym/Search-v0"}])
+    renderer, env = ChatRenderer(smollm2_tokenizer()), make()
+    try:
+        demos = oracle_demonstrations(make)
+        assert len(demos) == env.unwrapped.num_tasks
+        n = env.unwrapped.parts[0].num_tasks
+        for demo in (demos[0], demos[n]):  # one of each member
+            assert play_demonstration(env, renderer, demo)[1] == 1.0
+    finally:
+        env.close()
+
+
 def test_unrewarded_and_overlong_demonstrations_are_dropped() -> None:
     renderer = ChatRenderer(smollm2_tokenizer())
     [good] = oracle_demonstrations(GSM8K)[:1]

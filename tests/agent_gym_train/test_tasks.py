@@ -13,7 +13,7 @@ import pytest
 
 from agent_gym.env import EnvPart
 from agent_gym_train.grpo import train
-from agent_gym_train.runfiles import Metrics
+from agent_gym_train.runfiles import Metrics, RunConfigError
 from agent_gym_train.tasks import FLOOR, TaskSampler
 from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
 from tests.helpers.grpo_toy import DIGITS, ENV_ID
@@ -38,6 +38,18 @@ def test_mixed_prefers_tasks_whose_groups_taught_something() -> None:
         TaskSampler(3, "hardest")
 
 
+def test_a_task_found_all_or_nothing_ranks_below_an_untried_one_when_few_groups_teach(
+) -> None:
+    sampler = TaskSampler(10, "mixed")
+    sampler.record([{"index": i} for i in range(7)], [True] + [False] * 6)
+    part = (1 + 1) / (7 + 2)  # the part's odds: 1 mixed group of 7
+    weights = sampler.weights() * 10
+    assert weights[7] == pytest.approx(part)  # never drawn
+    assert weights[0] == pytest.approx((1 + 2 * part) / 3)
+    assert weights[1] == pytest.approx(2 * part / 3)
+    assert weights[0] > weights[7] > weights[1]
+
+
 def test_a_continued_run_rebuilds_the_sampler_from_its_metrics_lines() -> None:
     live = TaskSampler(10, "mixed")
     rows = [{"step": s, "task_outcomes": live.record(
@@ -46,6 +58,18 @@ def test_a_continued_run_rebuilds_the_sampler_from_its_metrics_lines() -> None:
     rebuilt = TaskSampler.from_metrics(10, "mixed", rows)
     assert rebuilt.outcomes == live.outcomes
     assert rebuilt.draw(np.random.default_rng(1), 3) == live.draw(np.random.default_rng(1), 3)
+
+
+@pytest.mark.parametrize("index", ["10", "-1", "x", "1.5", "\u00b2"])
+def test_metrics_naming_a_task_the_env_lacks_are_refused(index: str) -> None:
+    with pytest.raises(RunConfigError, match="names task"):
+        TaskSampler.from_metrics(10, "mixed", [{"step": 0, "task_outcomes": {index: 1}}])
+
+
+@pytest.mark.parametrize("part", [EnvPart(0, 1.0), EnvPart(5, 0.0), EnvPart(5, float("nan"))])
+def test_parts_without_tasks_or_weight_are_refused(part: EnvPart) -> None:
+    with pytest.raises(ValueError, match="needs tasks and a positive weight"):
+        TaskSampler(10, "uniform", (EnvPart(10 - part.num_tasks, 1.0), part))
 
 
 def test_grpo_with_the_mixed_sampler_continues_as_if_never_stopped(

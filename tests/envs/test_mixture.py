@@ -3,6 +3,7 @@ that owns the task, states that restore in the mixture or in the member alone.""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -38,8 +39,15 @@ def test_task_indices_run_through_the_members_in_order() -> None:
             assert info["messages"] == expected_info["messages"]
         with pytest.raises(IndexError, match=r"\[0, "):
             env.reset(options={"index": env.unwrapped.num_tasks})
-        with pytest.raises(ValueError, match="unknown reset options"):
+        assert [t.task_id for t in env.unwrapped.tasks] == [
+            t.task_id for t in (*gsm8k.unwrapped.tasks, *search.unwrapped.tasks)]
+        _, info = env.reset(options={"task_id": search.unwrapped.tasks[4].task_id})
+        assert (info["member"], info["task_id"]) == (1, search.unwrapped.tasks[4].task_id)
+        with pytest.raises(KeyError, match="no member"):
             env.reset(options={"task_id": "x"})
+        for options in ({"seed": 1}, {"index": 0, "task_id": info["task_id"]}):
+            with pytest.raises(ValueError, match="give one of index, task_id or state"):
+                env.reset(options=options)
     finally:
         for e in (env, gsm8k, search):
             e.close()
@@ -96,9 +104,8 @@ def test_members_that_differ_only_in_their_data_route_states_by_task() -> None:
             assert info["member"] == member
         _, info = env.reset(options={"index": 1, "state": None})  # no state: a fresh task
         assert info["member"] == 0
-        with pytest.raises(StateError, match="members \\[0, 1\\] of this mixture alike"):
-            mixture(GSM8K, GSM8K).reset(options={"state": env.unwrapped.save_state()})
-        with pytest.raises(StateError, match="no member of this mixture can restore"):
+        with pytest.raises(StateError, match="no member of this mixture can restore the state "
+                           "\\(member 0: task"):
             mixture(large).reset(options={"state": env.unwrapped.save_state()})
     finally:
         env.close()
@@ -125,6 +132,9 @@ def test_reset_without_a_task_draws_members_by_weight_not_by_size() -> None:
     ([{**GSM8K, "env_kwargs": [1]}], "env_kwargs must be an object"),
     ([{"env_id": "agent_gym/Mixture-v0"}], "itself a mixture"),
     (["agent_gym/GSM8K-v0"], "must be an object"),
+    ([{**GSM8K, "env_kwargs": {"render_mode": "ansi"}}], "the mixture's argument"),
+    ([GSM8K, {**GSM8K, "weight": 1}], "members 0 and 1 .* both have task 'agsm-000'"),
+    ([{"env_id": "agent_gym/NoSuchEnv-v0"}], r"mixture member 0 \(agent_gym/NoSuchEnv-v0\): "),
 ])
 def test_bad_members_are_refused_in_one_line(members: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -142,11 +152,54 @@ def test_a_member_the_env_refuses_fails_the_mixture_and_closes_the_others(
         close(env)
 
     monkeypatch.setattr(TextEnv, "close", spy)
-    with pytest.raises(TypeError, match="no_such_setting"):
+    with pytest.raises(ValueError, match=r"member 1 \(agent_gym/Search-v0\): .*no_such_setting"):
         mixture(GSM8K, {"env_id": "agent_gym/Search-v0", "env_kwargs": {"no_such_setting": 1}})
     assert closed == ["agent_gym/GSM8K-v0"]  # the member built before the one refused
-    with pytest.raises(gymnasium.error.Error):
-        mixture({"env_id": "agent_gym/NoSuchEnv-v0"})
+
+
+def test_close_closes_every_member_even_when_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[str] = []
+    close = TextEnv.close
+
+    def failing_for_gsm8k(env: TextEnv) -> None:
+        closed.append(env.env_id)
+        close(env)
+        if env.env_id == "agent_gym/GSM8K-v0":
+            raise OSError("sandbox already gone")
+
+    env = mixture(GSM8K, SEARCH)
+    monkeypatch.setattr(TextEnv, "close", failing_for_gsm8k)
+    with pytest.raises(OSError, match="sandbox already gone"):
+        env.unwrapped.close()
+    assert closed == ["agent_gym/GSM8K-v0", "agent_gym/Search-v0"]
+
+
+def test_hostile_states_are_refused_before_any_member_replays_them() -> None:
+    env = mixture(GSM8K, SEARCH)
+    n = env.unwrapped.parts[0].num_tasks
+    try:
+        env.reset(options={"index": n})
+        state = json.loads(env.unwrapped.save_state().to_json())
+        deep = {**state, "actions": ["<search>x</search>"] * 4, "digests": ["0" * 16] * 5}
+        for bad, message in ((deep, "member 1: the state has 4 actions"),
+                             ("{not json", "."), ({"env_id": "agent_gym/Search-v0"}, ".")):
+            with pytest.raises(StateError, match=message):
+                env.reset(options={"state": bad})
+    finally:
+        env.close()
+
+
+def test_the_protocol_is_the_playing_members() -> None:
+    env = mixture(GSM8K, SEARCH)
+    n = env.unwrapped.parts[0].num_tasks
+    try:
+        assert env.unwrapped.protocol is None  # no episode yet
+        env.reset(options={"index": n})
+        assert env.unwrapped.protocol.format("river") == "<search>river</search>"
+        env.reset(options={"index": 0})
+        assert env.unwrapped.protocol is None  # GSM8K takes an answer, no tool
+    finally:
+        env.close()
 
 
 def test_stepping_before_reset_is_an_error() -> None:
