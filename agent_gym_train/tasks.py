@@ -124,11 +124,13 @@ class TaskSampler:
             if not isinstance(outcomes, dict):
                 continue
             for index, mixed in outcomes.items():
-                if not (isinstance(index, str) and index.isascii() and index.isdigit()
-                        and int(index) < num_tasks):
-                    raise RunConfigError(f"metrics line of step {row.get('step')} names task "
-                                         f"{index!r}; the env has tasks 0..{num_tasks - 1}")
-                sampler.observe(int(index), bool(mixed))
+                try:
+                    if not (isinstance(index, str) and index.isascii() and index.isdigit()):
+                        raise ValueError(f"task index {index!r} is not a number")
+                    sampler.observe(int(index), bool(mixed))
+                except ValueError as err:
+                    raise RunConfigError(f"metrics line of step {row.get('step')}: {err}"
+                                         ) from err
         return sampler
 
 

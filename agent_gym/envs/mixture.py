@@ -147,16 +147,15 @@ class MixtureEnv(gymnasium.Env[str, str]):
         settings and data that hold its task): members of one id may differ only in their
         data sources, which a state never names, so its task id is what tells them apart."""
         state = EnvState.of(state)
+        mismatches = [env.state_mismatch(state) for env in self.members]
         # At most one member can: the mixture refused members a state could not tell apart.
-        able = [i for i, env in enumerate(self.members) if env.state_mismatch(state) is None]
+        able = [k for k, mismatch in enumerate(mismatches) if mismatch is None]
         if not able:
-            same_id = [(k, env) for k, env in enumerate(self.members)
-                       if env.env_id == state.env_id]
+            same_id = [k for k, env in enumerate(self.members) if env.env_id == state.env_id]
             if not same_id:
                 raise StateError(f"state belongs to {state.env_id!r}, which is not a member of "
                                  f"this mixture ({', '.join(e.env_id for e in self.members)})")
-            reasons = "; ".join(f"member {k}: {env.state_mismatch(state)}"
-                                for k, env in same_id)
+            reasons = "; ".join(f"member {k}: {mismatches[k]}" for k in same_id)
             raise StateError(f"no member of this mixture can restore the state ({reasons})")
         observation, info = self.members[able[0]].reset(options={"state": state})
         self._playing = self.members[able[0]]

@@ -62,7 +62,7 @@ def test_a_continued_run_rebuilds_the_sampler_from_its_metrics_lines() -> None:
 
 @pytest.mark.parametrize("index", ["10", "-1", "x", "1.5", "\u00b2"])
 def test_metrics_naming_a_task_the_env_lacks_are_refused(index: str) -> None:
-    with pytest.raises(RunConfigError, match="names task"):
+    with pytest.raises(RunConfigError, match="metrics line of step 0: task index"):
         TaskSampler.from_metrics(10, "mixed", [{"step": 0, "task_outcomes": {index: 1}}])
 
 
