@@ -73,10 +73,10 @@ def _user_errors(main: Callable[[list[str]], int], argv: list[str]) -> int:
     is one only when an extra installs it; it is caught outermost because the trainers'
     own errors cannot even be imported without the train extra (they import torch)."""
     try:
+        from agent_gym_train.backends.models import ModelSpecError
         from agent_gym_train.backends.pytrio import BackendError
-        from agent_gym_train.models import ModelSpecError
-        from agent_gym_train.runfiles import RunConfigError
-        from agent_gym_train.store import StoreError
+        from agent_gym_train.run.files import RunConfigError
+        from agent_gym_train.run.store import StoreError
 
         try:
             return main(argv)

@@ -1,38 +1,35 @@
-"""TEMPO's generative critic: the policy's own weights, asked for a value in words.
+"""TEMPO's generative critic: the policy's own weights, asked for a value in words, and
+how it is fitted and judged.
 
-There is no value head. The same sampler that acts is prompted as a critic: it reads the
-task, what the env reveals to critics only (``info["privileged"]``: a walkthrough, the
-reference answer, the gold answers), and a condensed history of the episode so far, then
-reasons briefly and ends with ``<value>x</value>``: the reward still to come, between 0 and
-``R_max``. Because the critic is the policy, it is trained by the same policy-gradient
-update on its own sampled replies: a reply is rewarded ``-|V_k - G| / R_max`` against a
-target ``G`` (a Monte Carlo return in warm-up, the mean macro-step return in TD updates),
-centred over the K replies to one prompt and the reply that states ``G`` itself (scored by
-the current weights, not sampled: ``Critic.target_reply``). Without that reply a critic
-whose K samples agree gets K equal rewards and no gradient, wrong or not.
+There is no value head. The sampler that acts is prompted as a critic: it reads the task,
+what the env reveals to critics only (``info["privileged"]``: a walkthrough, the reference
+answer, the gold answers), and a condensed history of the episode so far, and answers
+``<value>x</value>``: the reward still to come, between 0 and ``R_max``.
 
-By default the reply is *prefilled* with the opening tag: the critic prompt ends with
-``<value>`` after the assistant header, so the model's first sampled tokens are already the
-number, and sampling stops at ``</value>``: a parse needs about four tokens (``0.5</value>``).
-Small models asked to "reason, then end with a tag" ramble past any CPU-sized budget: the
-untrained SmolLM2-135M parsed 0 of 32 replies of 64 tokens that way, and 17 of 32 replies
-of 8 tokens prefilled (ALFWorld-v0 and GSM8K-v0 critic prompts). The prefill is
-context, not sample: it sits in the sampled turn's prompt tokens, so training never
-credits the model for it. ``prefill=False`` restores the reasoning critic for models that
-can afford it.
+Read. A state's value is the median of the critic's distribution over the replies stating
+0, R_max/4, ..., R_max, each reply scored whole by the current weights (``Critic.median``).
+TEMPO's critic is judged by absolute error, which the median of a belief minimises (not
+its mean, nor its mode), and no sampling noise enters the value.
 
-How a state's value is read (``readout``). ``samples``: the mean of M sampled replies that
-parse. ``median``: the median of the critic's distribution over the replies stating 0,
-R_max/4, ..., R_max, each scored whole by the current weights (``Critic.median``). TEMPO's
-critic is judged by absolute error, which the median of a belief minimises, not its mean
-or its mode; and reading a value token by token favours the decimals, whose replies
-share the first token "0" against "1" alone. Measured on Search-v0 (README, TEMPO), it
-is no cure for a critic whose fit has collapsed to one value: it reads that value too.
+Fitted. The reply that states a state's target G (``Critic.target_reply``) trains as a
+demonstration, by cross-entropy in the same update as the actor: a regression onto G in
+the critic's own words, where every state counts. Warm-up finds only a few states per
+update, and a critic fitted on each once settles on their mean; so ``replay`` sends earlier
+warm-up replies again with every later update, drawn so the update's targets are mixed as
+all of warm-up's. Why this path and not the others it was compared with (a policy-gradient
+rule on sampled replies, a sampled readout, no replay): docs/experiments/tempo.md.
 
-Parsing is strict: the last ``<value>...</value>`` of a reply (prefill included) that ended
-by itself must hold a plain decimal number in ``[0, R_max]``. Anything else (no tag, a cut
-reply, "0.5%", "1e-1", a value out of range) is a parse failure: it is counted, it earns the
-worst critic reward (-1) when trained, and it contributes nothing to a value estimate.
+The reply is *prefilled* with the opening tag: the critic prompt ends with ``<value>``
+after the assistant header, so a reply's first tokens are already the number. The prefill
+is context, not sample: it sits in the prompt, so training never credits the model for it.
+``Critic.sample`` asks for replies the ordinary way (TEMPO takes one greedy reply per
+state, to report whether the critic states values at all: ``critic/parse_failure_rate``).
+Parsing is strict: the last ``<value>...</value>`` of a reply that ended by itself must hold
+a plain decimal number in ``[0, R_max]``; anything else is a parse failure.
+
+Judged. Each update reports the critic's absolute error against its targets beside the
+best constant in hindsight on the same states (``best_constant_error``): a critic below
+it tells states apart.
 """
 
 from __future__ import annotations
@@ -43,15 +40,16 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from pytrio import ModelInput, SamplingParams
+from pytrio import Datum, ModelInput, SamplingParams
 
 from agent_gym.render import ChatRenderer
 from agent_gym.seeding import derive_seed
-from agent_gym_train.clients import Sampler
-from agent_gym_train.episode import TokenSequence
+from agent_gym_train.run.clients import Sampler
+from agent_gym_train.run.episode import TokenSequence, cross_entropy_datum
+from agent_gym_train.run.files import Metrics
 
 SYSTEM_PROMPT = (
     "You are the critic of an agent that works on a task over several turns. You see the "
@@ -68,10 +66,8 @@ THINK_FIRST = "Think briefly, then end your reply with the estimate"
 VALUE_PREFILL = "<value>"
 VALUE_CLOSE = "</value>"
 STOPPED = "stop"  # pytrio's stop_reason for a stop token or string
-# How a state's value is read (the module's docstring), and the values, as fractions of
-# R_max, whose replies the median readout scores: TEMPO's targets are means of a few
-# branches' returns, so quarters hold the N = 4 groups' exactly.
-READOUTS = ("samples", "median")
+# The values, as fractions of R_max, whose replies the median readout scores: TEMPO's
+# targets are means of a few branches' returns, so quarters hold the N = 4 groups' exactly.
 VALUE_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 # Privileged keys that restate another key in the actor's own action format (scripted
 # policies replay them); they add length, not information.
@@ -98,13 +94,6 @@ def parse_value(text: str, r_max: float) -> float | None:
         return None
     value = float(body)
     return value if 0.0 <= value <= r_max else None
-
-
-def critic_rewards(values: Sequence[float | None], target: float, r_max: float) -> np.ndarray:
-    """Uncentred critic rewards: ``-|V_k - target| / r_max``, -1 for a parse failure."""
-    return np.array(
-        [-1.0 if v is None else -abs(v - target) / r_max for v in values], dtype=np.float64
-    )
 
 
 def critic_messages(
@@ -138,12 +127,8 @@ def critic_messages(
     secrets = {k: v for k, v in privileged.items() if k not in HIDDEN_PRIVILEGED}
     # The privileged information comes after the history, next to the question: a critic
     # mostly compares the two (is the reference answer already in what the agent read?),
-    # and a small model learns that more readily with the reference last. bench_critic on
-    # the same Search-v0 states (SmolLM2 from the 3-epoch SFT checkpoint, one
-    # cross-entropy epoch at lr 3e-4): with the reference first the critic said 0 on every
-    # held-out state (abs error 0.598 against 0.403 for the best constant,
-    # benchmarks/experiments/critic-layout/); with it last it beat the constant (0.348, gain
-    # interval [0.02, 0.095], same folder).
+    # and a small model learns that more readily with the reference last (measured:
+    # docs/experiments/tempo.md).
     user = (
         f"## Task\n{_clip(task, TASK_CHARS, keep_tail=False)}\n\n"
         f"## History ({len(turns)} turns so far)\n"
@@ -152,9 +137,7 @@ def critic_messages(
         + _clip(_format(secrets), PRIVILEGED_CHARS, keep_tail=False)
         + f"\n\nHow much reward (0 to {_number(r_max)}) will the agent still collect?"
     )
-    # Two anchors, not one example: SmolLM2 copied a single example value into every
-    # reply, so the K replies to a state were all alike, earned the same critic reward,
-    # and the centred update had nothing to learn from (every critic group degenerate).
+    # Two anchors, not one example: SmolLM2 copied a single example value into every reply.
     system = SYSTEM_PROMPT.format(r_max=_number(r_max), high=_number(0.9 * r_max),
                                   low=_number(0.1 * r_max),
                                   answer=ANSWER_NOW if prefill else THINK_FIRST)
@@ -174,14 +157,11 @@ class Critic:
     """Prompts, samples and parses the critic on a sampler of the current weights."""
 
     def __init__(
-        self, renderer: ChatRenderer, *, r_max: float, max_tokens: int, temperature: float,
-        prefill: bool = True, readout: str = "samples",
+        self, renderer: ChatRenderer, *, r_max: float, max_tokens: int,
+        temperature: float = 0.0, prefill: bool = True,
     ) -> None:
         if not (math.isfinite(r_max) and r_max > 0):
             raise ValueError(f"r_max must be a positive number, got {r_max}")
-        if readout not in READOUTS:
-            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
-        self.readout = readout
         self.renderer = renderer
         self.r_max = r_max
         self.max_tokens = max_tokens
@@ -234,15 +214,9 @@ class Critic:
     async def target_reply(
         self, sampler: Sampler, prompt: list[int], target: float
     ) -> CriticSample:
-        """The reply that states ``target`` (to two decimals, clipped to [0, R_max]), scored
-        by the current weights, so it trains like a sampled reply with importance ratio 1.
-
-        Sampled replies alone teach nothing once they agree: a critic that answers the same
-        number at every state (SmolLM2 on Search-v0 settled on 0.0 within three warm-up
-        updates) gets K equal rewards, the centred group is degenerate, and its mistakes
-        are never corrected. Trained with the K samples, the target's own reply earns the
-        best reward of its group whenever the samples miss, so the group is never stuck.
-        """
+        """The reply that states ``target`` (to two decimals, clipped to [0, R_max]), with
+        the current weights' logprobs of it: what the critic is trained to say at a state
+        whose target is ``target``, and one of the replies ``median`` weighs."""
         value = round(min(max(target, 0.0), self.r_max), 2)
         text = _number(value) + VALUE_CLOSE
         tokens = self.renderer.encode(text if self.prefill else VALUE_PREFILL + text)
@@ -264,31 +238,124 @@ class Critic:
         below = np.cumsum(weights / weights.sum())
         return float(replies[int(np.searchsorted(below, 0.5))].value)
 
-    async def value(
-        self, sampler: Sampler, prompt: list[int], n: int, seed: int
-    ) -> tuple[float, list[CriticSample]]:
-        """An endpoint's value and the replies sampled for it. ``samples``: the mean of the
-        parsed values of ``n`` replies, 0 when none parses (no estimate is no evidence of
-        future reward). ``median``: ``median``, nothing sampled."""
-        if self.readout == "median":
-            return await self.median(sampler, prompt), []
-        samples = await self.sample(sampler, prompt, n, seed)
-        parsed = [s.value for s in samples if s.value is not None]
-        return (float(np.mean(parsed)) if parsed else 0.0), samples
+    async def values(
+        self, sampler: Sampler, prompts: Sequence[list[int] | None]
+    ) -> list[float]:
+        """Many states' values at once (``median``); a ``None`` prompt is a terminal state,
+        worth 0 with nothing scored."""
+
+        async def one(prompt: list[int] | None) -> float:
+            return 0.0 if prompt is None else await self.median(sampler, prompt)
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def gather_values(
-    critic: Critic, sampler: Sampler, prompts: Sequence[list[int] | None], n: int,
-    seeds: Sequence[int],
-) -> list[tuple[float, list[CriticSample]]]:
-    """Values of many endpoints at once; a ``None`` prompt is a terminal endpoint (0)."""
+# --------------------------------------------------------------------- fitting and judging
+Item = TypeVar("Item")
 
-    async def one(prompt: list[int] | None, seed: int) -> tuple[float, list[CriticSample]]:
-        if prompt is None:
-            return 0.0, []
-        return await critic.value(sampler, prompt, n, seed)
 
-    return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds, strict=True))))
+def critic_fit(
+    replies: Sequence[CriticSample], estimates: Sequence[float], targets: Sequence[float],
+    greedy: Sequence[CriticSample],
+) -> tuple[list[Datum], Metrics]:
+    """The critic's datums for one update, one per state: the reply stating its target,
+    trained by cross-entropy; and the critic's accuracy metrics, its ``estimates`` (the
+    median readout, one per state) against the ``targets``, with the parse rate of its
+    ``greedy`` replies.
+
+    ``critic/abs_error_constant`` is what the best constant in hindsight would have scored
+    on the same states (``best_constant_error``). It is fitted to this update alone;
+    ``critic/per_state`` ([target, 1, estimate] per state) lets a reader pool updates and
+    fit one constant to all of them, the best constant predictor of the whole run."""
+    per_state: list[list[float | int | None]] = [
+        [float(t), 1, float(e)] for t, e in zip(targets, estimates, strict=True)]
+    errors = [abs(e - t) for t, e in zip(targets, estimates, strict=True)]
+    datums = [cross_entropy_datum(reply.sequence) for reply in replies]
+    return datums, {
+        "critic/abs_error_mean": float(np.mean(errors)) if errors else None,
+        "critic/abs_error_constant": best_constant_error(per_state),
+        "critic/parsed": len(errors),
+        "critic/value_corr": value_corr(estimates, targets),
+        "critic/value_mean": float(np.mean(estimates)) if len(estimates) else None,
+        "critic/target_mean": float(np.mean(targets)) if len(targets) else None,
+        "critic/states": len(targets),
+        "critic/datums": len(datums),
+        "critic/samples": len(greedy),
+        "critic/parse_failure_rate": failure_rate(greedy),
+        "critic/per_state": per_state,
+    }
+
+
+def best_constant_error(per_state: Sequence[Sequence[float | int | None]]) -> float | None:
+    """The mean absolute error of the best constant in hindsight on some states'
+    estimates (``[target, estimates, mean estimate]`` each, as ``critic_fit`` reports
+    them): every estimate is scored against its state's target, and the constant is the
+    median of those targets, which minimises the mean absolute error (the mean does not:
+    on targets 0, 0, 1 it scores 0.44, the median 0.33). None: no estimate."""
+    scored = [float(target) for target, parsed, _ in per_state for _ in range(int(parsed))]
+    if not scored:
+        return None
+    return float(np.mean(np.abs(np.subtract(scored, np.median(scored)))))
+
+
+def value_corr(values: Sequence[float], targets: Sequence[float]) -> float | None:
+    """Pearson correlation of critic values and their targets (None if undefined)."""
+    if len(values) < 2 or np.ptp(values) == 0 or np.ptp(targets) == 0:
+        return None
+    return float(np.corrcoef(values, targets)[0, 1])
+
+
+def value_gap_zero_reward(
+    groups: Sequence[tuple[Sequence[float], Sequence[float]]],
+) -> float | None:
+    """How far the critic tells apart branches the env paid nothing: per group (rewards,
+    end values), the spread max - min of V(end) over its zero-reward branches, averaged over
+    groups with at least two of them. 0 means the critic adds no signal where the env has
+    none."""
+    gaps = []
+    for rewards, values in groups:
+        zero = [v for r, v in zip(rewards, values, strict=True) if r == 0]
+        if len(zero) >= 2:
+            gaps.append(max(zero) - min(zero))
+    return float(np.mean(gaps)) if gaps else None
+
+
+def replay(
+    pool: Sequence[tuple[Item, float]], count: int, targets: Sequence[float],
+    rng: np.random.Generator,
+) -> list[Item]:
+    """``count`` of the earlier warm-up critic replies in ``pool`` (``--critic-replay``;
+    each with its target), drawn so that with this update's own ``targets`` the update
+    fits targets distributed as all of the pool's.
+
+    Warm-up finds a few states per update and fits each once; a critic fitted on ~100
+    states once each settles on their mean, not on what tells them apart. A cross-entropy
+    datum needs no fresh logprobs, so an old state trains again for a forward-backward.
+    The draw is stratified by target because one update's few states are mostly one
+    outcome or the other, and fitting them swings the critic's overall level: the level
+    moved more between updates than the value between the states of one. Each target
+    value gets its share of the update's datums (less what the update holds already);
+    leftover places are drawn at random."""
+    count = min(count, len(pool))
+    if not count:  # no draw: a run without replay keeps its random stream
+        return []
+    by_target: dict[float, list[int]] = {}
+    for index, (_, target) in enumerate(pool):
+        by_target.setdefault(target, []).append(index)
+    total = count + len(targets)
+    chosen: list[int] = []
+    for target, indices in sorted(by_target.items()):
+        share = round(total * len(indices) / len(pool)) - sum(t == target for t in targets)
+        take = min(max(share, 0), len(indices), count - len(chosen))
+        chosen += [int(i) for i in rng.choice(indices, take, replace=False)]
+    rest = np.setdiff1d(np.arange(len(pool)), chosen)
+    chosen += [int(i) for i in rng.choice(rest, count - len(chosen), replace=False)]
+    return [pool[i][0] for i in sorted(chosen)]
+
+
+def failure_rate(samples: Sequence[CriticSample]) -> float | None:
+    """The share of critic replies that stated no value."""
+    return sum(s.value is None for s in samples) / len(samples) if samples else None
 
 
 def _flat(content: Any) -> str:

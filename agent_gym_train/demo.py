@@ -11,12 +11,10 @@ checkpoint plays the held-out questions again. It prints the before/after table 
 out of episodes, with 95% Wilson intervals, and the held-out demonstrations' NLL per
 token), writes ``summary.json`` and the training curves (``sft/metrics.png``).
 
-Why SFT alone, without a GRPO or OPD stage after it: the budget is ten minutes on two
-cores, and the two evals and the SFT epoch take about seven of them in CPU time (measured:
-0/18 -> 10/18 held out, README); a GRPO step of 2 tasks x 4 branches from the SFT
-checkpoint took 52-54 s of wall-clock time at load 3-4 (``benchmarks/results/learning.json``,
-section ``grpo``), so the two or three steps that would fit, 8 sampled episodes each,
-could not move 18 held-out episodes by more than their interval.
+Why SFT alone, without a GRPO or OPD stage after it: on two cores the two evals and the
+SFT epoch take most of the demo's budget, and the few GRPO steps that would fit could not
+move 18 held-out episodes by more than their interval (the figures:
+docs/experiments/learning.md).
 
 Each stage is resumable the way its command is (eval keeps finished episodes, SFT continues
 from its checkpoint), so an interrupted demo picks up where it stopped.
@@ -37,11 +35,11 @@ from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.run import evaluate
 from agent_gym.eval.summary import Summary
 from agent_gym_train import sft
-from agent_gym_train.args import with_preset
-from agent_gym_train.envpool import check_env
 from agent_gym_train.plot import plot
 from agent_gym_train.policies import sampler_policy
-from agent_gym_train.runfiles import CHECKPOINT_FILE, Checkpoint
+from agent_gym_train.run.args import with_preset
+from agent_gym_train.run.envpool import check_env
+from agent_gym_train.run.files import CHECKPOINT_FILE, Checkpoint
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = ("``agent-gym train demo``: watch the embedded model learn a bundled task "

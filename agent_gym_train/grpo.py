@@ -10,9 +10,9 @@ equal (no learning signal); one forward-backward on every datum of the step and 
 ``optim_step``. Episodes play the env's own turn budget unless ``--max-turns`` says
 otherwise. Everything that is not GRPO (arguments every trainer takes, the training client,
 the env pool reused by every step, the update, metrics lines, checkpoints and continuing a
-stopped run) is in ``agent_gym_train.run``.
+stopped run) is in ``agent_gym_train.run.run``.
 
-The objective (``agent_gym_train.losses``), and why each option exists:
+The objective (``agent_gym_train.run.losses``), and why each option exists:
 
 * ``--loss importance_sampling`` (default) | ``ppo`` | ``cispo``: pytrio's own losses. ppo
   clips the token ratio so a step cannot move far from the sampler; cispo (MiniMax-M1)
@@ -32,10 +32,10 @@ The objective (``agent_gym_train.losses``), and why each option exists:
   replies get their full weight) | ``sequence-mean`` (GRPO's original: each episode weighs
   the same; via ``forward_backward_custom``).
 * ``--task-sampler mixed``: tasks whose recent groups had mixed outcomes are drawn more
-  often (``agent_gym_train.tasks``): at this scale most groups are all-or-nothing, and
+  often (``agent_gym_train.run.tasks``): at this scale most groups are all-or-nothing, and
   their rollouts teach nothing.
 * ``--max-staleness N`` (default 0): the rollouts of the next steps run while the learner
-  trains, on weights at most N updates old (``agent_gym_train.pipeline``), so neither the
+  trains, on weights at most N updates old (``agent_gym_train.run.pipeline``), so neither the
   sampler nor the learner waits for the other; 0 is the synchronous loop. Each metrics
   line says which weights sampled its data (``sampler_version``, ``staleness``). The loss's
   ratio to the sampler's logprobs is the off-policy correction; ``importance_sampling``
@@ -55,30 +55,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 from pytrio import Datum
 
-from agent_gym_train.args import OUT_HELP, RunArgs
-from agent_gym_train.args import parse_args as parse_run_args
-from agent_gym_train.clients import ServiceClient, VersionedSampler
-from agent_gym_train.episode import Episode, build_datum, datums_digest
-from agent_gym_train.options import option
-from agent_gym_train.pipeline import (
+from agent_gym_train.advantages import group_advantages
+from agent_gym_train.run.args import OUT_HELP, RunArgs, option
+from agent_gym_train.run.args import parse_args as parse_run_args
+from agent_gym_train.run.clients import ServiceClient, VersionedSampler
+from agent_gym_train.run.episode import Episode, build_datum, datums_digest
+from agent_gym_train.run.files import Metrics
+from agent_gym_train.run.pipeline import (
     RolloutPipeline,
     max_importance_weight_option,
     max_staleness_option,
     off_policy_objective,
     staleness_problems,
 )
-from agent_gym_train.rollout import (
-    rollout_metrics,
-    rollout_step,
-    run_rollout_config,
-    versions,
-)
-from agent_gym_train.run import device_defaults, final_line, open_run
-from agent_gym_train.runfiles import Metrics
-from agent_gym_train.tasks import SAMPLERS
+from agent_gym_train.run.rollout import rollout_metrics
+from agent_gym_train.run.run import device_defaults, final_line, open_run
+from agent_gym_train.run.tasks import SAMPLERS
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = "GRPO on agent_gym environments, in one file you can read top to bottom."
@@ -106,6 +100,8 @@ class Args(RunArgs):
         None, "show the policy the task and only the last N turns, as `agent-gym eval "
         "--history-window N` does (each cut restarts the token-continuous prompt)")
 
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = {"cpu-demo": {
+        "batch_size": 2, "group_size": 4, "max_tokens": 48, "max_turns": 4}}
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {
         **RunArgs.DEVICE_DEFAULTS, "group_size": (4, 8)}
 
@@ -133,15 +129,16 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     history: list[Metrics] = []
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
-        config = run_rollout_config(run, args.group_size, args.history_window)
-        objective = off_policy_objective(run, args.max_staleness, args.max_importance_weight)
+        config = run.rollout_config(args.group_size, args.history_window)
+        objective = off_policy_objective(run.objective, args.sampler_precision,
+                                         args.max_staleness, args.max_importance_weight)
 
         def collect(step: int, policy: VersionedSampler) -> Collected:
             """The step's groups: batch_size tasks x group_size branches, and the refills;
             the task sampler learns which of them had mixed outcomes."""
             rng = run.rng(step)
             tasks = run.tasks(rng, args.batch_size)
-            groups = rollout_step(run, step, policy, tasks, config)
+            groups = run.rollouts(step, policy, tasks, config)
             # ---- dynamic sampling: refill the degenerate groups (rewards all equal) with
             #      more tasks, up to max_refill_groups extra groups
             refills = 0
@@ -150,15 +147,16 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 if missing <= 0:
                     break
                 more = run.tasks(rng, min(missing, args.max_refill_groups - refills))
-                groups += rollout_step(run, step, policy, more, config,
-                                       purpose=f"refill-{refills}")
+                groups += run.rollouts(step, policy, more, config,
+                                      purpose=f"refill-{refills}")
                 tasks += more
                 refills += len(more)
             outcomes = run.task_sampler.record(tasks, [not degenerate(g) for g in groups])
             return Collected(groups, refills, outcomes)
 
         # ---- rollouts on weights at most max_staleness updates old (0: the current ones)
-        with closing(RolloutPipeline(run, collect, args.max_staleness)) as rollouts:
+        with closing(RolloutPipeline(collect, range(run.start, run.steps), run.weights(),
+                                   args.max_staleness)) as rollouts:
             for step in run.progress():
                 t0 = time.perf_counter()
                 sampled = rollouts.take(step)
@@ -168,12 +166,10 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 # ---- advantages and datums; groups without signal are skipped
                 datums: list[Datum] = []
                 for group in groups:
-                    if degenerate(group):
+                    advantages = group_advantages([episode.reward for episode in group],
+                                                  normalize_std=args.normalize_std)
+                    if advantages is None:
                         continue
-                    rewards = np.array([episode.reward for episode in group])
-                    advantages = rewards - rewards.mean()
-                    if args.normalize_std:
-                        advantages /= rewards.std() + 1e-6
                     datums += [build_datum(sequence, float(advantage))
                                for episode, advantage in zip(group, advantages, strict=True)
                                for sequence in episode.sequences]
@@ -192,7 +188,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                        "degenerate_rate": skipped / len(groups), "refill_groups": refills,
                        **trained, "datums_digest": datums_digest(datums),
                        "task_outcomes": sampled.batch.outcomes,
-                       **versions(step, episodes, run),
+                       **run.sampled_versions(step, episodes),
                        "time_sampler": sampled.time_sampler,
                        "time_rollout": sampled.time_rollout,
                        "time_waiting": t1 - t0, "time_train": t2 - t1,

@@ -20,15 +20,13 @@ that sample's mean over the step's sampled tokens.
 
 **Teacher labels** (``--teacher-labels λ``, 0 by default). A sampled-token reverse KL can
 only lower what the student samples: a student that never samples the teacher's tool call
-is pushed off its own replies, never towards the call (measured on Search-v0 from the base
-model: the KL halves and held-out success stays 0). With ``λ > 0`` the teacher also answers,
+is pushed off its own replies, never towards the call. With ``λ > 0`` the teacher also answers,
 greedily, at every state the student's episodes visited (its opening and the student's own
 history up to that reply), and the step adds ``λ`` times the mean NLL of those replies
 (``cross_entropy``) to the distillation loss: DAgger's labels, on the student's own states,
 so what the student is taught is still where the student goes. Cut teacher replies are not
-used (counted in ``teacher_labels_cut``). On that Search-v0 run, λ = 1 took the student
-from 0/18 to 7/18 held out, and λ = 1 with ``--kl-coef 0`` to 6/18 (benchmarks/results/
-learning.json): there the labels do the teaching.
+used (counted in ``teacher_labels_cut``). What each setting measured on Search-v0:
+docs/experiments/learning.md.
 
 Teachers (``--teacher``):
 
@@ -40,12 +38,12 @@ Teachers (``--teacher``):
   checkpoint; ``--privileged`` adds the same information to its context too.
 
 ``--max-staleness N`` runs the student's rollouts, the teacher's scores and labels of the
-next steps while the learner trains, as in GRPO (``agent_gym_train.pipeline``).
+next steps while the learner trains, as in GRPO (``agent_gym_train.run.pipeline``).
 
 The teacher must share the student's tokenizer (it scores the student's token ids); that is
 checked before any rollout and refused with ``TokenizerMismatchError``. Everything that is
 not OPD (arguments every trainer takes, the training client, the env pool, the update,
-metrics lines, checkpoints and continuing a stopped run) is in ``agent_gym_train.run``.
+metrics lines, checkpoints and continuing a stopped run) is in ``agent_gym_train.run.run``.
 """
 
 from __future__ import annotations
@@ -63,22 +61,22 @@ import numpy as np
 from pytrio import Datum, ModelInput, SamplingParams
 from pytrio.types import TensorData
 
-from agent_gym_train.args import OUT_HELP, RunArgs
-from agent_gym_train.args import parse_args as parse_run_args
+from agent_gym_train.advantages import group_advantages
 from agent_gym_train.backends import BACKENDS, make_service
-from agent_gym_train.clients import Sampler, ServiceClient, VersionedSampler
-from agent_gym_train.episode import Episode, TokenSequence, build_datum, cross_entropy_datum
-from agent_gym_train.options import option
-from agent_gym_train.pipeline import (
+from agent_gym_train.run.args import OUT_HELP, RunArgs, option
+from agent_gym_train.run.args import parse_args as parse_run_args
+from agent_gym_train.run.clients import Sampler, ServiceClient, VersionedSampler
+from agent_gym_train.run.episode import Episode, TokenSequence, build_datum, cross_entropy_datum
+from agent_gym_train.run.files import Metrics, RunConfigError, checkpoint_path
+from agent_gym_train.run.pipeline import (
     RolloutPipeline,
     max_importance_weight_option,
     max_staleness_option,
     off_policy_objective,
     staleness_problems,
 )
-from agent_gym_train.rollout import rollout_metrics, rollout_step, run_rollout_config, versions
-from agent_gym_train.run import Run, device_defaults, final_line, open_run
-from agent_gym_train.runfiles import Metrics, RunConfigError, checkpoint_path
+from agent_gym_train.run.rollout import rollout_metrics
+from agent_gym_train.run.run import Run, device_defaults, final_line, open_run
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -115,6 +113,8 @@ class Args(RunArgs):
     max_staleness: int = max_staleness_option()
     max_importance_weight: float = max_importance_weight_option()
 
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = {"cpu-demo": {
+        "batch_size": 2, "group_size": 2, "max_tokens": 48, "max_turns": 4}}
     IDENTITY: ClassVar[tuple[str, ...]] = (*RunArgs.IDENTITY, "teacher")
 
     def problems(self) -> list[str]:
@@ -314,13 +314,14 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         teacher = open_teacher(args, run)
         check_tokenizers(run.training.get_tokenizer(), teacher.get_tokenizer())
         openings: dict[int, tuple[list[int], list[int]]] = {}
-        config = run_rollout_config(run, args.group_size)
-        objective = off_policy_objective(run, args.max_staleness, args.max_importance_weight)
+        config = run.rollout_config(args.group_size)
+        objective = off_policy_objective(run.objective, args.sampler_precision,
+                                         args.max_staleness, args.max_importance_weight)
 
         def collect(step: int, policy: VersionedSampler) -> Collected:
             # ---- the student samples (on weights at most --max-staleness updates old)
             tasks = run.tasks(run.rng(step), args.batch_size)
-            groups = rollout_step(run, step, policy, tasks, config)
+            groups = run.rollouts(step, policy, tasks, config)
             t1 = time.perf_counter()
 
             # ---- the teacher scores the student's tokens: one call per episode, on the
@@ -332,14 +333,15 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                 if task["index"] not in openings:
                     openings[task["index"]] = teacher_openings(run, args, task)
                 student_prompt, teacher_prompt = openings[task["index"]]
-                rewards = np.array([episode.reward for episode in group])
-                for episode, reward in zip(group, rewards, strict=True):
+                centred = group_advantages([episode.reward for episode in group])
+                for episode, advantage in zip(group, centred if centred is not None
+                                              else [0.0] * len(group), strict=True):
                     if not episode.turns:  # the opening alone filled the trajectory budget
                         continue
                     if episode.sequence.tokens[: len(student_prompt)] != tuple(student_prompt):
                         raise RuntimeError(f"task {task} opened differently when re-rendered")
                     scored.append((episode, len(teacher_prompt) - len(student_prompt),
-                                   args.reward_coef * float(reward - rewards.mean())))
+                                   args.reward_coef * float(advantage)))
                     sequences.append([*teacher_prompt,
                                       *episode.sequence.tokens[len(student_prompt):]])
                     states += label_states(episode.sequence, student_prompt, teacher_prompt)
@@ -356,7 +358,8 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             return Collected(groups, scored, teacher_logprobs, labels, t2 - t1,
                              time.perf_counter() - t2)
 
-        with closing(RolloutPipeline(run, collect, args.max_staleness)) as rollouts:
+        with closing(RolloutPipeline(collect, range(run.start, run.steps), run.weights(),
+                                   args.max_staleness)) as rollouts:
             for step in run.progress():
                 t0 = time.perf_counter()
                 sampled = rollouts.take(step)
@@ -400,7 +403,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
                     **({"teacher_labels": len(got.labels),
                         "teacher_labels_cut": sum(label is None for label in got.labels)}
                        if args.teacher_labels else {}),
-                    **versions(step, [e for g in got.groups for e in g], run),
+                    **run.sampled_versions(step, [e for g in got.groups for e in g]),
                     "time_rollout": sampled.time_sampler + rollout_time,
                     "time_teacher": got.time_teacher, "time_labels": got.time_labels,
                     "time_waiting": t1 - t0, "time_train": t2 - t1,

@@ -1,7 +1,7 @@
 """``agent-gym train plot RUN``: a panel for every numeric metric a training run logged.
 
 Works on any trainer's ``metrics.jsonl`` (one line per step, see
-``agent_gym_train.runfiles``): every key whose values are numbers gets a panel, in the order
+``agent_gym_train.run.files``): every key whose values are numbers gets a panel, in the order
 the run first logged it, except those that never changed over the run (a batch size, the
 epoch of a one-epoch run), which a flat line would only make look like curves: they are
 listed, with their value, above the panels. A metric logged at one step only is a marker,
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from agent_gym.cli.parsing import OneLineParser
-from agent_gym_train.runfiles import METRICS_FILE, Metrics, read_metrics
+from agent_gym_train.run.files import METRICS_FILE, Metrics, read_metrics
 
 PLOT_FILE = "metrics.png"
 COLUMNS = 5

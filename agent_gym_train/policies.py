@@ -17,7 +17,7 @@ from agent_gym.render import ChatRenderer, ContinuedPrompts
 from agent_gym.seeding import derive_seed
 from agent_gym_train.backends import make_service
 from agent_gym_train.backends.pytrio import BackendError
-from agent_gym_train.runfiles import RunConfigError, checkpoint_path
+from agent_gym_train.run.files import RunConfigError, checkpoint_path
 
 
 class SamplerPolicy:
@@ -95,7 +95,7 @@ def sampler_policy(
     ``agent_gym_train.backends.runtime``).
 
     CHECKPOINT is what a trainer's ``--init-from`` takes
-    (``agent_gym_train.runfiles.checkpoint_path``):
+    (``agent_gym_train.run.files.checkpoint_path``):
     a training run's directory or its ``checkpoint.json`` (the run's latest checkpoint), or
     a backend checkpoint path. A checkpoint or model that cannot be loaded, or a service
     that cannot be reached, is a ``ValueError`` (``RunConfigError``) naming ``spec``, which

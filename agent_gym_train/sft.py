@@ -12,7 +12,7 @@ demonstration that does not earn a reward on replay is dropped (and counted): th
 can never teach something the env does not pay for.
 
 Each played demonstration becomes one token-continuous datum, exactly as a sampled episode
-would (``agent_gym_train.episode.cross_entropy_datum``): the action's tokens plus the turn's
+would (``agent_gym_train.run.episode.cross_entropy_datum``): the action's tokens plus the turn's
 stop token are the "sampled" spans, every prompt and observation position is masked. The
 loss is pytrio's ``cross_entropy`` with weight 1 on each demonstrated token, so ``loss`` is
 the mean negative log-likelihood per demonstrated token.
@@ -24,7 +24,7 @@ scored (``forward``, no update) before the first step (``heldout_nll_before``, i
 metrics line), every ``--heldout-every`` steps and after the last (``heldout_nll``): the
 number a learning run must lower. Everything that is not SFT (arguments every trainer
 takes, the training client, the env pool, the update, metrics lines, checkpoints and
-continuing a stopped run) is in ``agent_gym_train.run``; ``agent-gym eval --policy
+continuing a stopped run) is in ``agent_gym_train.run.run``; ``agent-gym eval --policy
 local:MODEL@PATH`` plays a checkpoint.
 """
 
@@ -46,15 +46,14 @@ from pytrio import Datum
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.eval.runlog import FINAL_STATE_SCHEMA, read_log
 from agent_gym.render import ChatRenderer, Conversation
-from agent_gym_train.args import OUT_HELP, RunArgs
-from agent_gym_train.args import parse_args as parse_run_args
-from agent_gym_train.clients import ServiceClient, TrainingClient
-from agent_gym_train.envpool import EnvFactory, env_factory
-from agent_gym_train.episode import DatumError, TokenSequence, cross_entropy_datum
-from agent_gym_train.losses import TOKEN_MEAN
-from agent_gym_train.options import option
-from agent_gym_train.run import final_line, open_run
-from agent_gym_train.runfiles import Metrics, RunConfigError
+from agent_gym_train.run.args import OUT_HELP, RunArgs, option
+from agent_gym_train.run.args import parse_args as parse_run_args
+from agent_gym_train.run.clients import ServiceClient, TrainingClient
+from agent_gym_train.run.envpool import EnvFactory, env_factory
+from agent_gym_train.run.episode import DatumError, TokenSequence, cross_entropy_datum
+from agent_gym_train.run.files import Metrics, RunConfigError
+from agent_gym_train.run.losses import TOKEN_MEAN
+from agent_gym_train.run.run import final_line, open_run
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = (
@@ -97,6 +96,8 @@ class Args(RunArgs):
     seed: int = option(0, "seed of the per-epoch shuffles: the same seed replays the same run")
 
     LOSSES: ClassVar[tuple[str, ...]] = (CROSS_ENTROPY,)
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = {"cpu-demo": {
+        "batch_size": 4, "epochs": 1, "learning_rate": 1e-3, "max_trajectory_tokens": 1024}}
     DEVICE_DEFAULTS: ClassVar[dict[str, tuple[int, int]]] = {}
     IDENTITY: ClassVar[tuple[str, ...]] = (*RunArgs.IDENTITY, "demos")
 

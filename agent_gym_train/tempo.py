@@ -7,50 +7,35 @@ critic that shares the policy's weights. One file you can read top to bottom.
 
 The method. A long episode is cut into macro-steps of H turns. A macro-step starts from a
 saved state s (a ``ResumePoint``: env state plus the exact prompt tokens there; see
-``agent_gym_train.store``) or from
-a fresh task, and runs N branches for H turns. The same weights, prompted as a critic with
-what the actor never sees (``agent_gym_train.critic``), value where each branch ended:
-V(end) = the mean of M critic samples, or 0 if the episode is over. Then, per group,
+``agent_gym_train.run.store``) or from a fresh task, and runs N branches for H turns. The
+same weights, prompted as a critic with what the actor never sees
+(``agent_gym_train.critic``), value where each branch ended: V(end), the median of the
+critic's belief over the values 0, R_max/4, ..., R_max, or 0 if the episode is over. Then,
+per group,
 
     R_n = r_n + V(end_n)          r_n: the env reward collected inside the macro-step
     G   = mean_n R_n
     A_n = (R_n - G) * w           actor advantage; w: the prefix importance weight of s
-    c_k = -|V_k - G| / R_max      reward of critic sample k at s (-1 if unparsable),
-                                  centred over the K samples and one more reply that
-                                  states G itself (``Critic.target_reply``; its reward is
-                                  0), so K samples that agree on a wrong value still learn
 
-A group whose R_n are all equal, or whose critic rewards are all equal, teaches nothing and
-is skipped (and counted). ``--critic-loss cross_entropy`` fits the critic another way: the
-reply stating G is trained as a demonstration (a regression onto G in the critic's own
-words), every state counts, and the K samples only measure, so they may be drawn greedily
-(``--critic-temperature 0``: the critic's most likely value, where a sample at temperature
-1 adds the spread of its guesses). ``--critic-readout median`` reads V at every state as
-the median of the critic's distribution over the replies stating 0, R_max/4, ..., R_max,
-each scored (``Critic.median``): the estimate absolute error asks for.
+and the critic is fitted to G at s: the reply stating G trains by cross-entropy beside the
+actor's datums, in one ``forward_backward`` and one ``optim_step``. A group whose R_n are
+all equal teaches the actor nothing and is skipped (and counted); its critic target still
+trains.
 
-Before the TD updates, ``warmup_updates`` updates train the critic
-alone on Monte Carlo returns: full episodes from fresh tasks, the critic sampled at turns H,
-2H, ... with target = the reward the episode still collected after that turn, and at each
-task's opening (where fresh TD groups start) with target = the mean return of its N
-episodes. ``--critic-replay R`` (cross-entropy only) sends R earlier warm-up critic datums
-again with every later update, drawn so the update's targets are mixed as all of
-warm-up's (``replay``): a few states a step, each fitted once, leave a small critic at
-their mean, swinging with each update's mix. On Search-v0 from a 3-epoch SFT checkpoint,
-cross-entropy with the median readout beat the best constant after warm-up in three runs
-of three with ``--critic-replay 8`` (pooled over 96 states 0.294 against 0.375, gain
-interval [0.010, 0.154]) and in one of three with the same flags and no replay (0.408
-against 0.368, gain [-0.12, 0.05]; README, TEMPO). Every update sends its actor and critic
-datums in one ``forward_backward`` and takes one ``optim_step``.
+Before the TD updates, ``warmup_updates`` updates train the critic alone on Monte Carlo
+returns: full episodes from fresh tasks, the critic asked at turns H, 2H, ... with target =
+the reward the episode still collected after that turn, and at each task's opening (where
+fresh TD groups start) with target = the mean return of its N episodes. ``--critic-replay
+R`` sends R earlier warm-up targets again with every later update
+(``agent_gym_train.critic.replay``). What this recipe measured, and the variants it was
+chosen over: docs/experiments/tempo.md.
 
-Cut replies. A reply cut by ``--max-tokens`` ends a rollout's episode by default (it is
-never shown to the env). For a small model at a CPU reply budget most replies are cut, so
-no warm-up episode lived to turn H and warm-up found no state at all (the embedded
-SmolLM2 on ALFWorld-v0: 0 boundary states), which left TD nothing to restore either. So
-TEMPO shows a cut reply to the env, which judges its text as it stands (mostly an invalid
-action) while the episode goes on (``cut_replies`` counts them; ``--no-cut-continues``
-restores the cut as an end). The critic's reply is prefilled with ``<value>``, so its
-budget (``--critic-max-tokens``) only has to hold a number and the closing tag.
+Cut replies. A reply cut by ``--max-tokens`` is shown to the env, which judges its text as
+it stands (mostly an invalid action), and the episode goes on (``cut_replies`` counts
+them): for a small model at a CPU reply budget most replies are cut, and ending an
+episode at its first cut left warm-up no episode that lived to turn H. The critic's reply
+is prefilled with ``<value>``, so its budget (``--critic-max-tokens``) only has to hold a
+number and the closing tag.
 
 States come from the store: each TD update draws states (consumed, never reused), leaves
 ``fresh_fraction`` of its groups to fresh tasks, drops states more than ``staleness``
@@ -58,8 +43,8 @@ policy versions old, and stores every branch that stopped at the horizon with ro
 warm-up episodes add their states at turns H, 2H, ... A state reached by an older policy was
 visited with that policy's probability, not the current one's, so the group's actor
 advantages are weighted by w = min(cap, exp(sum log pi_now - sum log pi_old)) over the
-prefix's sampled tokens (``--no-prefix-is`` turns it off). Restored branches are checked
-against the saved chat, observation included (``agent_gym_train.rollout``).
+prefix's sampled tokens. Restored branches are checked against the saved chat,
+observation included (``agent_gym_train.run.rollout``).
 
 Everything that is not TEMPO (arguments every trainer takes, the training client, the env
 pool, the update, metrics lines, checkpoints and continuing a stopped run) is in
@@ -75,41 +60,37 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 from pytrio import Datum, ModelInput
 
-from agent_gym_train.args import OUT_HELP, RunArgs
-from agent_gym_train.args import parse_args as parse_run_args
-from agent_gym_train.clients import Sampler, ServiceClient
-from agent_gym_train.critic import READOUTS, Critic, CriticSample, gather_values
-from agent_gym_train.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
-from agent_gym_train.options import option
-from agent_gym_train.pipeline import MAX_IMPORTANCE_WEIGHT, off_policy_objective
-from agent_gym_train.rollout import RolloutConfig, rollout_groups, rollout_metrics
-from agent_gym_train.run import Run, device_defaults, final_line, open_run
-from agent_gym_train.runfiles import Metrics, RunConfigError
-from agent_gym_train.store import StateStore, cut, fresh_quota
-from agent_gym_train.tempo_critic import (
-    centred,
+from agent_gym_train.advantages import group_advantages
+from agent_gym_train.critic import (
+    Critic,
+    CriticSample,
     critic_fit,
-    failure_rate,
     replay,
     value_gap_zero_reward,
 )
+from agent_gym_train.run.args import OUT_HELP, RunArgs, option
+from agent_gym_train.run.args import parse_args as parse_run_args
+from agent_gym_train.run.clients import Sampler, ServiceClient
+from agent_gym_train.run.episode import Episode, ResumePoint, build_datum, cross_entropy_datum
+from agent_gym_train.run.files import Metrics, RunConfigError
+from agent_gym_train.run.pipeline import MAX_IMPORTANCE_WEIGHT, off_policy_objective
+from agent_gym_train.run.rollout import RolloutConfig, rollout_groups, rollout_metrics
+from agent_gym_train.run.run import Run, device_defaults, final_line, open_run
+from agent_gym_train.run.store import StateStore, cut, fresh_quota
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = ("TEMPO on agent_gym environments: macro-steps from saved states, judged by a "
                "generative\ncritic that shares the policy's weights. One file you can read top "
                "to bottom.")
-# A branch that ended like this has no future reward: V(end) = 0. With --no-cut-continues
-# a cut reply ends the episode too (it is never shown to the env), so its cut reward is all
-# it gets. A branch
-# that ran out of trajectory tokens stopped for a budget, not in the game: its value is
-# estimated like any other endpoint (the seed lab counted it as terminal).
+# A branch that ended like this has no future reward: V(end) = 0. A branch that ran out of
+# trajectory tokens stopped for a budget, not in the game: its value is estimated like any
+# other endpoint (the seed lab counted it as terminal).
 TERMINAL_ENDS = frozenset({"terminated", "truncated", "max_tokens"})
-# How the critic learns its targets (--critic-loss).
-CRITIC_LOSSES = ("reward", "cross_entropy")
 
 
 @dataclass
@@ -123,54 +104,32 @@ class Args(RunArgs):
     td_updates: int = option(40, "macro-step (TD) updates after the warm-up")
     horizon: int = option(10, "H: turns per macro-step")
     branches: int = option(4, "N: branches per group")
-    critic_samples: int = option(4, "K: trained critic samples per start state")
-    endpoint_samples: int = option(2, "M: critic samples averaged into V(end)")
     store_capacity: int = option(256, "saved states kept (oldest evicted first)")
     fresh_fraction: float = option(0.25, "share of each TD update's groups from fresh tasks "
                                          "(at least one)")
     staleness: int = option(8, "drop stored states more than this many policy versions old")
     r_max: float = option(1.0, "largest reward still to come; critic values live in "
                                "[0, r_max]")
-    prefix_is: bool = option(True, "weight restored groups by the prefix importance ratio")
-    is_cap: float = option(2.0, "truncation of that ratio")
+    is_cap: float = option(2.0, "truncation of the prefix importance weight")
     critic_max_tokens: int = option(
         16, "tokens per critic reply: the reply is prefilled with <value>, so a number and "
         "</value> (about 8 tokens) is all a parse needs")
-    critic_target_reply: bool = option(
-        True, "train each critic group with one more reply, the one stating its target "
-        "(scored, not sampled), so a critic whose K samples agree still learns "
-        "(--no-critic-target-reply: the sampled replies alone)")
-    critic_loss: str = option(
-        "reward", "how the critic learns its targets: reward (its K sampled replies earn "
-        "-|V_k - G| / R_max and train by the policy loss, with the target's reply) or "
-        "cross_entropy (the reply stating G trains as a demonstration; the K samples only "
-        "measure)", CRITIC_LOSSES)
-    critic_temperature: float = option(
-        1.0, "the critic's sampling temperature; 1 under --critic-loss reward, which trains "
-        "on its samples; with cross_entropy 0 reads its most likely value")
-    critic_readout: str = option(
-        "samples", "how V is read at a state: samples (the mean of --endpoint-samples "
-        "sampled replies) or median (the median of the critic's distribution over the "
-        "replies stating 0, R_max/4, ..., R_max, each scored: what absolute error asks for; "
-        "the critic's accuracy metrics are then this value's)", READOUTS)
     critic_replay: int = option(
-        0, "under --critic-loss cross_entropy, warm-up states retrained in every later "
-        "update (their target replies, drawn anew each update from all earlier warm-up "
-        "updates, stratified by target): the critic sees each Monte Carlo target several "
-        "times at no rollout cost (saved with the state store)")
-    cut_continues: bool = option(
-        True, "show a reply cut by --max-tokens to the env and go on (--no-cut-continues: "
-        "the cut ends the episode, worth its reward so far)")
+        8, "warm-up critic targets retrained in every later update, drawn anew each update "
+        "from all earlier warm-up updates, stratified by target (saved with the state store)")
+
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = {"cpu-demo": {
+        "batch_size": 2, "horizon": 2, "branches": 2, "max_tokens": 32,
+        "critic_max_tokens": 8, "max_turns": 6}}
 
     def problems(self) -> list[str]:
         checks = [
             (min(self.warmup_updates, self.td_updates) < 0
              or self.warmup_updates + self.td_updates < 1,
              "--warmup-updates and --td-updates must be >= 0, with at least one update"),
-            (min(self.horizon, self.endpoint_samples, self.store_capacity) < 1,
-             "--horizon, --endpoint-samples and --store-capacity must be positive"),
-            (min(self.branches, self.critic_samples) < 2,
-             "--branches and --critic-samples must be at least 2 (a group of one has no signal)"),
+            (min(self.horizon, self.store_capacity) < 1,
+             "--horizon and --store-capacity must be positive"),
+            (self.branches < 2, "--branches must be at least 2 (a group of one has no signal)"),
             (not 0 < self.fresh_fraction <= 1, "--fresh-fraction must be in (0, 1]"),
             (0 < self.fresh_fraction < 1 and self.batch_size > 0
              and fresh_quota(self.batch_size, self.fresh_fraction) == self.batch_size,
@@ -180,17 +139,7 @@ class Args(RunArgs):
              "policy version after it was made"),
             (not (math.isfinite(self.r_max) and self.r_max > 0), "--r-max must be positive"),
             (self.is_cap < 1, "--is-cap must be at least 1"),
-            (self.critic_loss == "reward" and self.critic_temperature != 1.0,
-             "--critic-temperature must be 1 under --critic-loss reward: its samples train "
-             "by the policy loss, which scores them untempered"),
-            (not 0 <= self.critic_temperature <= 2, "--critic-temperature must be in [0, 2]"),
             (self.critic_replay < 0, "--critic-replay must be >= 0"),
-            (self.critic_replay > 0 and self.critic_loss != "cross_entropy",
-             "--critic-replay retrains target replies by cross-entropy: it needs "
-             "--critic-loss cross_entropy"),
-            (self.critic_loss == "cross_entropy" and not self.critic_target_reply,
-             "--critic-loss cross_entropy trains the target's reply: drop "
-             "--no-critic-target-reply"),
         ]
         return [*super().problems(), *(message for failed, message in checks if failed)]
 
@@ -255,11 +204,9 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         budgets = {"group_size": args.branches, "max_tokens": args.max_tokens,
                    "max_trajectory_tokens": args.max_trajectory_tokens,
                    "temperature": args.temperature, "keep_states": True,
-                   "cut_continues": args.cut_continues}
+                   "cut_continues": True}
         tempo = Tempo(
-            run, args,
-            Critic(run.renderer, r_max=args.r_max, max_tokens=args.critic_max_tokens,
-                   temperature=args.critic_temperature, readout=args.critic_readout),
+            run, args, Critic(run.renderer, r_max=args.r_max, max_tokens=args.critic_max_tokens),
             full=RolloutConfig(max_turns=run.max_turns, **budgets),
             macro=RolloutConfig(max_turns=args.horizon, **budgets),
         )
@@ -276,7 +223,9 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
 
             # ---- one update on actor and critic datums together
             trained = run.update(batch.datums, supervised=batch.supervised,
-                                 objective=off_policy_objective(run, 0, MAX_IMPORTANCE_WEIGHT))
+                                 objective=off_policy_objective(
+                                     run.objective, args.sampler_precision, 0,
+                                     MAX_IMPORTANCE_WEIGHT))
             t2 = time.perf_counter()
             evicted = store.add(batch.states)
 
@@ -311,24 +260,16 @@ async def warmup_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateSt
     chosen = sorted(rng.choice(len(asked), size=min(len(asked), len(episodes)), replace=False))
     prompts = [_opening_prompt(tempo, asked[i][0]) if cuts[i] is None
                else _critic_prompt(tempo, cuts[i]) for i in chosen]
-    samples = await asyncio.gather(*(
-        tempo.critic.sample(sampler, prompt, args.critic_samples, run.seed(step, "critic", i))
-        for i, prompt in zip(chosen, prompts, strict=True)
-    ))
     targets = [asked[i][2] for i in chosen]
-    replies = await _target_replies(tempo, sampler, prompts, targets)
-    datums, supervised, metrics = critic_fit(
-        samples, targets, args, replies, await _estimates(tempo, sampler, prompts))
+    replies, supervised, metrics = await _critic_fit(tempo, sampler, prompts, targets,
+                                                     run.seed(step, "critic", 0))
     replayed = _replayed(store, args, targets, rng)
-    if args.critic_replay:  # cross-entropy: one target reply per state, kept with the store
+    if args.critic_replay:  # one target reply per state, kept with the store
         store.critic_replay.extend((reply.sequence, target)
                                    for reply, target in zip(replies, targets, strict=True))
     metrics |= rollout_metrics(episodes)
-    flat = [s for group in samples for s in group]
-    metrics |= {"warmup/boundary_states": len(states), "critic/samples": len(flat),
-                "critic/parse_failure_rate": failure_rate(flat),
-                "critic/replayed": len(replayed)}
-    return Batch(datums, supervised + replayed, metrics, states)
+    metrics |= {"warmup/boundary_states": len(states), "critic/replayed": len(replayed)}
+    return Batch([], supervised + replayed, metrics, states)
 
 
 def monte_carlo_targets(
@@ -360,15 +301,14 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
     # ---- prefix importance weights of the restored states under the current policy
     weights = [1.0] * len(starts)
     clipped = [False] * len(starts)
-    if args.prefix_is and restored:
-        scored = await asyncio.gather(*(
-            sampler.compute_logprobs_async(ModelInput.from_ints(list(s.sequence.tokens)))
-            for s in restored
-        ))
-        for i, (state, logprobs) in enumerate(zip(restored, scored, strict=True)):
-            weights[i], clipped[i] = prefix_weight(
-                state.sequence.score(logprobs), state.sequence.logprob_sum, args.is_cap
-            )
+    scored = await asyncio.gather(*(
+        sampler.compute_logprobs_async(ModelInput.from_ints(list(s.sequence.tokens)))
+        for s in restored
+    ))
+    for i, (state, logprobs) in enumerate(zip(restored, scored, strict=True)):
+        weights[i], clipped[i] = prefix_weight(
+            state.sequence.score(logprobs), state.sequence.logprob_sum, args.is_cap
+        )
 
     # ---- N branches of H turns from each start
     groups = await rollout_groups(
@@ -377,34 +317,21 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         concurrency=args.concurrency,
     )
 
-    # ---- critic: K trained samples at each start, M averaged samples at each endpoint
-    start_prompts = [
-        _critic_prompt(tempo, g[0].start) if g[0].start is not None
-        else _opening_prompt(tempo, g[0]) for g in groups
-    ]
+    # ---- the critic's value at every endpoint (0 where the episode is over)
     episodes = [e for g in groups for e in g]
-    end_prompts = [
+    end_values = iter(await tempo.critic.values(sampler, [
         None if e.end_reason in TERMINAL_ENDS
         else tempo.critic.prompt(e.messages, e.opening_messages, e.privileged)
         for e in episodes
-    ]
-    start_samples, end_values = await asyncio.gather(
-        asyncio.gather(*(
-            tempo.critic.sample(sampler, p, args.critic_samples, run.seed(step, "start", i))
-            for i, p in enumerate(start_prompts)
-        )),
-        gather_values(tempo.critic, sampler, end_prompts, args.endpoint_samples,
-                      [run.seed(step, "end", i) for i in range(len(episodes))]),
-    )
+    ]))
 
     # ---- actor signals: R_n = r_n + V(end_n), A_n = (R_n - mean R) * w
     datums: list[Datum] = []
     targets: list[float] = []
     degenerate = 0
     paid: list[tuple[list[float], list[float]]] = []
-    values = iter(end_values)
     for group, weight in zip(groups, weights, strict=True):
-        ends = [next(values)[0] for _ in group]
+        ends = [next(end_values) for _ in group]
         group_datums, target = actor_update(group, ends, weight)
         targets.append(target)
         if group_datums is None:
@@ -412,14 +339,14 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         else:
             datums += group_datums
         paid.append(([e.reward for e in group], ends))
-    actor_datums = len(datums)
 
     # ---- critic signals at the start states, against G = mean R
-    critic_datums, supervised, metrics = critic_fit(
-        start_samples, targets, args,
-        await _target_replies(tempo, sampler, start_prompts, targets),
-        await _estimates(tempo, sampler, start_prompts))
-    datums += critic_datums
+    start_prompts = [
+        _critic_prompt(tempo, g[0].start) if g[0].start is not None
+        else _opening_prompt(tempo, g[0]) for g in groups
+    ]
+    _, supervised, metrics = await _critic_fit(tempo, sampler, start_prompts, targets,
+                                               run.seed(step, "start", 0))
     replayed = _replayed(store, args, targets, rng)
 
     # ---- where branches stopped at the horizon with room to go on: new states
@@ -428,23 +355,19 @@ async def td_batch(tempo: Tempo, sampler: Sampler, step: int, store: StateStore)
         if e.end_reason == "max_turns" and e.next_prompt is not None
         and len(e.next_prompt) < args.max_trajectory_tokens
     ]
-    all_samples = [s for g in start_samples for s in g] + [s for _, g in end_values for s in g]
     weighted = weights[: len(restored)]
     metrics |= rollout_metrics(episodes)
     metrics |= {
-        "critic/parse_failure_rate": failure_rate(all_samples),
-        "critic/samples": len(all_samples),
         "actor/value_gap_zero_reward": value_gap_zero_reward(paid),
         "actor/degenerate_group_rate": degenerate / len(groups),
         "actor/return_mean": float(np.mean(targets)),
-        "actor/datums": actor_datums,
+        "actor/datums": len(datums),
         "critic/replayed": len(replayed),
         "td/fresh_states": fresh,
         "td/restored_states": len(restored),
         "td/stale_dropped": stale,
-        "is/weight_mean": float(np.mean(weighted)) if weighted and args.prefix_is else None,
-        "is/clip_rate": float(np.mean(clipped[: len(restored)]))
-        if restored and args.prefix_is else None,
+        "is/weight_mean": float(np.mean(weighted)) if weighted else None,
+        "is/clip_rate": float(np.mean(clipped[: len(restored)])) if restored else None,
     }
     return Batch(datums, supervised + replayed, metrics, states)
 
@@ -456,7 +379,7 @@ def actor_update(
     """One group's actor datums, A_n = (R_n - G) * w on every token branch n sampled (None
     for a degenerate group), and G = mean R, the critic's target at the start state."""
     returns = macro_returns([e.reward for e in group], end_values)
-    advantages = centred(returns)
+    advantages = group_advantages(returns)
     if advantages is None:
         return None, float(returns.mean())
     datums = [build_datum(e.sequence, float(a * weight))
@@ -476,26 +399,23 @@ def _critic_prompt(tempo: Tempo, state: ResumePoint) -> list[int]:
     return tempo.critic.prompt(state.messages, state.opening, state.privileged)
 
 
-async def _target_replies(
-    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]], targets: Sequence[float]
-) -> list[CriticSample] | None:
-    """Each trained state's target reply (``--critic-target-reply``), else None."""
-    if not tempo.args.critic_target_reply:
-        return None
-    return list(await asyncio.gather(*(
-        tempo.critic.target_reply(sampler, prompt, target)
-        for prompt, target in zip(prompts, targets, strict=True)
-    )))
-
-
-async def _estimates(
-    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]]
-) -> list[float] | None:
-    """Each state's value by the median readout (``--critic-readout median``), else None:
-    the sampled replies are then the critic's estimate."""
-    if tempo.critic.readout != "median":
-        return None
-    return list(await asyncio.gather(*(tempo.critic.median(sampler, p) for p in prompts)))
+async def _critic_fit(
+    tempo: Tempo, sampler: Sampler, prompts: Sequence[list[int]], targets: Sequence[float],
+    seed: int,
+) -> tuple[list[CriticSample], list[Datum], Metrics]:
+    """At each state: the reply stating its target (returned, and trained as a datum), the
+    critic's estimate (the median readout) and one greedy reply, whose parse rate says
+    whether the critic states values at all; with the critic's metrics."""
+    critic = tempo.critic
+    replies, estimates, greedy = await asyncio.gather(
+        asyncio.gather(*(critic.target_reply(sampler, prompt, target)
+                         for prompt, target in zip(prompts, targets, strict=True))),
+        critic.values(sampler, prompts),
+        asyncio.gather(*(critic.sample(sampler, prompt, 1, seed + i)
+                         for i, prompt in enumerate(prompts))),
+    )
+    datums, metrics = critic_fit(replies, estimates, targets, [s for g in greedy for s in g])
+    return list(replies), datums, metrics
 
 
 def _opening_prompt(tempo: Tempo, episode: Episode) -> list[int]:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from harness import RESULTS, Result  # noqa: E402
 
 from agent_gym.eval.stats import wilson_interval  # noqa: E402
-from agent_gym_train.runfiles import read_metrics  # noqa: E402
+from agent_gym_train.run.files import read_metrics  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN = json.dumps({"split": "train"})

@@ -37,8 +37,8 @@ from transformers import StaticCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import RESULTS, Result
 
+from agent_gym_train.backends.models import load_model
 from agent_gym_train.backends.sampler import sampling_copy
-from agent_gym_train.models import load_model
 
 WARM, TIMED = 2, 10
 Forward = Callable[..., torch.Tensor]

@@ -23,13 +23,13 @@ of the training targets) on the same states:
 - every one of 4 replies at temperature 1 (what ``bench_learning`` scores);
 - the median of those 4 replies;
 - the median of its distribution over the replies stating 0, 0.25, 0.5, 0.75 and 1, each
-  scored whole (``Critic.median``, TEMPO's ``--critic-readout median``).
+  scored whole (``Critic.median``, TEMPO's readout).
 
 Also reported: what a predictor would score that knows the question, whether the state is
 an opening, and whether a gold answer's string appears in the history so far. It takes the
 median target of its cell in the training collection, so it bounds what those cues carry.
 
-``--fit tempo`` trains by TEMPO's own critic rule instead (``critic_update``). The
+The critic learns each target as TEMPO does: the reply stating it, by cross-entropy. The
 collected states are cached (``--states``, default in ``--work``) and reused by any run
 with the same checkpoint and budgets, so variants are measured on the very same states.
 
@@ -58,14 +58,13 @@ sys.path.insert(0, str(ROOT))
 
 from harness import RESULTS, Result  # noqa: E402
 
-from agent_gym_train.clients import Sampler  # noqa: E402
 from agent_gym_train.critic import Critic, CriticSample  # noqa: E402
-from agent_gym_train.episode import cross_entropy_datum  # noqa: E402
-from agent_gym_train.rollout import RolloutConfig, rollout_groups  # noqa: E402
-from agent_gym_train.run import Run, device_defaults, open_run  # noqa: E402
-from agent_gym_train.store import cut  # noqa: E402
+from agent_gym_train.run.clients import Sampler  # noqa: E402
+from agent_gym_train.run.episode import cross_entropy_datum  # noqa: E402
+from agent_gym_train.run.rollout import RolloutConfig, rollout_groups  # noqa: E402
+from agent_gym_train.run.run import Run, device_defaults, open_run  # noqa: E402
+from agent_gym_train.run.store import cut  # noqa: E402
 from agent_gym_train.tempo import Args, monte_carlo_targets  # noqa: E402
-from agent_gym_train.tempo_critic import critic_update  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 TASKS_PER_ROLLOUT = 8
@@ -177,29 +176,14 @@ async def stated(critic: Critic, sampler: Sampler,
                                        for s in states)))
 
 
-def fit(run: Run, greedy: Critic, hot: Critic, batch: list[dict[str, Any]], rule: str,
-        seed: int, sampler: Sampler) -> float | None:
-    """One update of the critic on ``batch`` by ``rule``; its loss.
-
-    ``cross_entropy``: the reply stating each target, as a demonstration (its logprobs are
-    unused, so ``sampler`` may be the epoch's). ``tempo``: TEMPO's own critic update
-    (``critic_update``): K replies sampled at temperature 1 on the current weights (a
-    fresh sampler), rewarded ``-|V_k - G|`` and centred with the target's reply."""
-    if rule == "cross_entropy":
-        replies = asyncio.run(stated(greedy, sampler, batch))
-        return run.update([], supervised=[cross_entropy_datum(r.sequence)
-                                          for r in replies])["supervised_loss"]
-    sampler = run.training.save_weights_and_get_sampling_client()
+def fit(run: Run, greedy: Critic, batch: list[dict[str, Any]], sampler: Sampler
+        ) -> float | None:
+    """One update of the critic on ``batch``, TEMPO's way: the reply stating each target,
+    as a demonstration (its logprobs are unused, so ``sampler`` may be the epoch's); its
+    loss."""
     replies = asyncio.run(stated(greedy, sampler, batch))
-
-    async def sampled() -> list[list[CriticSample]]:
-        return list(await asyncio.gather(*(hot.sample(sampler, s["prompt"], HOT_SAMPLES,
-                                                      seed + i)
-                                           for i, s in enumerate(batch))))
-
-    datums, _ = critic_update(asyncio.run(sampled()), [s["target"] for s in batch], 1.0,
-                              replies)
-    return run.update(datums)["loss"]
+    return run.update([], supervised=[cross_entropy_datum(r.sequence)
+                                      for r in replies])["supervised_loss"]
 
 
 def cue_bound(train: list[dict[str, Any]], test: list[dict[str, Any]]) -> dict[str, Any]:
@@ -228,9 +212,6 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--fit", choices=("cross_entropy", "tempo"), default="cross_entropy",
-                        help="how the critic learns a target: cross-entropy on the reply "
-                        "stating it, or TEMPO's update on sampled replies")
     parser.add_argument("--questions", type=int, default=None,
                         help="the first N train questions only (default: all 56)")
     parser.add_argument("--threads", type=int, default=1)
@@ -280,10 +261,9 @@ def main() -> None:
         for epoch in range(1, options.epochs + 1):
             order = chooser.sample(train, len(train))
             sampler = run.training.save_weights_and_get_sampling_client()
-            losses = [fit(run, greedy, hot, order[first:first + options.batch], options.fit,
-                          epoch * 100_000 + first, sampler)
+            losses = [fit(run, greedy, order[first:first + options.batch], sampler)
                       for first in range(0, len(order), options.batch)]
-            losses = [loss for loss in losses if loss is not None]  # degenerate batches
+            losses = [loss for loss in losses if loss is not None]
             rows.append({"epoch": epoch,
                          "train_loss": round(float(np.mean(losses)), 4) if losses else None,
                          **measure(run, greedy, hot, test, constant)})

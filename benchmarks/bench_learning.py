@@ -73,14 +73,12 @@ from harness import RESULTS, Result, figures_in  # noqa: E402
 
 from agent_gym.eval.stats import bootstrap_interval, wilson_interval  # noqa: E402
 from agent_gym_train import grpo, sft  # noqa: E402
-from agent_gym_train.critic import READOUTS  # noqa: E402
+from agent_gym_train.critic import best_constant_error, value_corr  # noqa: E402
 from agent_gym_train.opd import Args as OpdArgs  # noqa: E402
 from agent_gym_train.opd import train as opd_train  # noqa: E402
-from agent_gym_train.runfiles import read_metrics  # noqa: E402
-from agent_gym_train.tempo import CRITIC_LOSSES  # noqa: E402
+from agent_gym_train.run.files import read_metrics  # noqa: E402
 from agent_gym_train.tempo import Args as TempoArgs  # noqa: E402
 from agent_gym_train.tempo import train as tempo_train  # noqa: E402
-from agent_gym_train.tempo_critic import best_constant_error, value_corr  # noqa: E402
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN, TEST = {"split": "train"}, {"split": "test"}
@@ -352,14 +350,9 @@ def add_tempo_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tempo-td", type=int, default=4)
     group.add_argument("--tempo-batch-size", type=int, default=2)
     group.add_argument("--tempo-branches", type=int, default=2)
-    group.add_argument("--tempo-critic-samples", type=int, default=4)
-    group.add_argument("--tempo-endpoint-samples", type=int, default=2)
     group.add_argument("--tempo-horizon", type=int, default=1)
     group.add_argument("--tempo-learning-rate", type=float, default=1e-4)
-    group.add_argument("--tempo-critic-loss", choices=CRITIC_LOSSES, default="reward")
-    group.add_argument("--tempo-critic-temperature", type=float, default=1.0)
-    group.add_argument("--tempo-critic-readout", choices=READOUTS, default="samples")
-    group.add_argument("--tempo-critic-replay", type=int, default=0)
+    group.add_argument("--tempo-critic-replay", type=int, default=8)
     group.add_argument("--pool-tempo", nargs="+", default=[], metavar="RUN_DIR",
                        help="--only tempo_pooled: the TEMPO run directories to pool")
     group.add_argument("--tempo-seed", type=int, default=0,
@@ -380,12 +373,7 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                      init_from=start,
                      warmup_updates=options.tempo_warmup, td_updates=options.tempo_td,
                      batch_size=options.tempo_batch_size, branches=options.tempo_branches,
-                     critic_samples=options.tempo_critic_samples,
-                     endpoint_samples=options.tempo_endpoint_samples,
                      horizon=options.tempo_horizon, fresh_fraction=0.5,
-                     critic_loss=options.tempo_critic_loss,
-                     critic_temperature=options.tempo_critic_temperature,
-                     critic_readout=options.tempo_critic_readout,
                      critic_replay=options.tempo_critic_replay, seed=options.tempo_seed,
                      max_tokens=options.max_tokens, max_trajectory_tokens=4096,
                      learning_rate=options.tempo_learning_rate, threads=1,
@@ -409,9 +397,8 @@ def section_tempo(options: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "max_turns": options.max_turns},
         "settings": {k: getattr(args, k) for k in (
             "warmup_updates", "td_updates", "batch_size", "horizon", "branches",
-            "critic_samples", "endpoint_samples", "fresh_fraction", "max_tokens",
-            "critic_max_tokens", "critic_loss", "critic_temperature", "critic_readout",
-            "critic_replay", "learning_rate", "lora_rank", "cut_continues", "seed")},
+            "fresh_fraction", "max_tokens", "critic_max_tokens", "critic_replay",
+            "learning_rate", "lora_rank", "seed")},
         "warmup": pooled_critic(warmup),
         "after_warmup": pooled_critic(td),
         "per_update": [{k: row.get(k) for k in kept} for row in history],
@@ -463,8 +450,8 @@ def pooled_critic(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "abs_error_best_constant": best_constant_error(states),
             "abs_error_constant_refitted_per_update": refitted / parsed if parsed else None,
             "value_target_corr": value_corr(*zip(*valued, strict=True)) if valued else None,
-            # the critic's estimate as TEMPO uses it at an endpoint (the mean of its
-            # samples, or the median readout), one per state, against the median target
+            # the critic's estimate as TEMPO uses it at an endpoint (the median readout),
+            # one per state, against the median target
             "abs_error_of_state_means": _mean([abs(v - t) for v, t in valued])
             if valued else None,
             "abs_error_best_constant_per_state": best_constant_error(

@@ -1,6 +1,6 @@
 """The local backend at the machine's limits, each figure beside a baseline from the same run.
 
-- rollouts: sampled tokens/s of ``agent_gym_train.rollout.rollout_groups`` on ALFWorld-v0 (text
+- rollouts: sampled tokens/s of ``agent_gym_train.run.rollout.rollout_groups`` on ALFWorld-v0 (text
   protocol) and Search-v0, 4 tasks x 8 branches x up to 6 turns, with the batching sampler
   (continuous batch + prefix cache) against (a) today's path, reimplemented here as it was
   before the engine (``SerialSampler``: one call at a time behind a lock, every call prefills
@@ -71,8 +71,8 @@ from agent_gym_train.backends.losses import check_loss, token_losses
 from agent_gym_train.backends.runtime import CPU_DEFAULTS, StepShape, step_cost
 from agent_gym_train.backends.sampler import LocalSamplingClient
 from agent_gym_train.critic import VALUE_GRID, Critic
-from agent_gym_train.envpool import EnvPool, env_factory
-from agent_gym_train.rollout import RolloutConfig, rollout_groups
+from agent_gym_train.run.envpool import EnvPool, env_factory
+from agent_gym_train.run.rollout import RolloutConfig, rollout_groups
 
 ENVS = {
     "ALFWorld-v0": ("agent_gym/ALFWorld-v0", {"protocol": "text"}),

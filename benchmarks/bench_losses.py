@@ -8,7 +8,7 @@ the first 40% of positions masked) whose sampler logprobs are the learner's own 
 gradient cleared:
 
 - ``ppo``: the built-in ``forward_backward(datums, "ppo")`` (the baseline);
-- ``ppo_custom``: the same objective as ``agent_gym_train.losses.policy_loss`` through
+- ``ppo_custom``: the same objective as ``agent_gym_train.run.losses.policy_loss`` through
   ``forward_backward_custom`` (one extra forward pass, as on pytrio);
 - ``gspo``, ``ppo_sequence_mean``: losses only the custom path has.
 
@@ -35,7 +35,7 @@ from harness import RESULTS, Result
 from pytrio import Datum, ModelInput
 
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
-from agent_gym_train.losses import Objective, policy_loss
+from agent_gym_train.run.losses import Objective, policy_loss
 
 PPO = Objective("ppo")
 

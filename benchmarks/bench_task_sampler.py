@@ -11,7 +11,7 @@ Search questions and next to none on GSM8K at a 48-token reply (it was never tau
 solve math; most of its groups there are all-zero): a mixture in which one member has no
 learning signal for the current policy, as a curriculum has while a skill is out of reach.
 Uniform draws spend half their groups on it whatever happens; ``--task-sampler mixed``
-learns, from the groups it has seen, which member teaches (``agent_gym_train.tasks``).
+learns, from the groups it has seen, which member teaches (``agent_gym_train.run.tasks``).
 
 Per seed, both runs: the same seed and settings (``--preset cpu-demo``, 4 tasks x 8 branches,
 learning rate 1e-4, bfloat16 sampling copy where the CPU has bf16 units), one torch thread
@@ -47,7 +47,7 @@ from agent_gym.env import describe_env  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
 from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
-from agent_gym_train.runfiles import read_metrics  # noqa: E402
+from agent_gym_train.run.files import read_metrics  # noqa: E402
 
 MEMBERS = [
     {"env_id": "agent_gym/Search-v0", "env_kwargs": {"dataset": DATASET, "split": "train"},

@@ -4,7 +4,7 @@ of the best constant predictor measured on the same samples in the same updates.
     python benchmarks/bench_tempo.py [--warmup 4] [--td 16] [--out benchmarks/results/tempo.json]
 
 Setting: the bundled ALFWorld games (8 turns), macro-steps of H=2 turns, N=4 branches,
-K=4 critic samples, M=2 endpoint samples, 4 groups per update, on the local backend.
+4 groups per update, on the local backend.
 
 Model: the value-speaking tiny model of the tests (``tests/helpers/tempo_toy.py``, trained in a
 few seconds). On these two shared cores SmolLM2-135M-Instruct sampled 8 critic replies of
@@ -90,7 +90,7 @@ def main() -> int:
         args = Args(
             env_id="agent_gym/ALFWorld-v0", env_kwargs={"max_turns": 8}, model=model,
             lora_rank=0, warmup_updates=options.warmup, td_updates=options.td, batch_size=4,
-            horizon=2, branches=4, critic_samples=4, endpoint_samples=2, store_capacity=64,
+            horizon=2, branches=4, store_capacity=64,
             fresh_fraction=0.25, staleness=4, learning_rate=1e-3, max_tokens=16,
             critic_max_tokens=12, max_trajectory_tokens=6000, out=str(run_dir),
             progress=False, save_every=1000,

@@ -23,8 +23,8 @@ from harness import RESULTS, Result
 from pytrio import Datum, ModelInput
 
 from agent_gym.render import ChatRenderer, Conversation
-from agent_gym_train.episode import TokenSequence, build_datum
-from agent_gym_train.models import load_tokenizer
+from agent_gym_train.backends.models import load_tokenizer
+from agent_gym_train.run.episode import TokenSequence, build_datum
 
 OPENING = [
     {"role": "system", "content": "You are an agent. Use the python tool, then answer."},

@@ -26,7 +26,7 @@ observation the model did not see; the bundled envs' tools are deterministic::
                           train_dataset=trl_dataset("agent_gym/Search-v0", max_turns=5), ...)
 
 The tokenizer's chat template must render tool calls (TRL checks); the embedded model's does
-(``agent_gym_train.models.load_tokenizer``). A dataset row with a ``state`` (``EnvState``
+(``agent_gym_train.backends.models.load_tokenizer``). A dataset row with a ``state`` (``EnvState``
 JSON) restores that mid-episode state instead of starting the task, so every member of a
 GRPO group starts from the identical point. Nothing of ``info["privileged"]`` reaches the
 model: the prompt is the env's opening messages and a tool returns only the observation.

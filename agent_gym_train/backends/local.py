@@ -12,8 +12,8 @@ would reject is rejected here with the same message. Calls run eagerly and retur
 ``APIFuture``s (``.result()`` works as with the service).
 
 Beyond pytrio: ``create_full_training_client`` fine-tunes every weight (useful for tiny
-models), and a ``base_model`` is any spec of ``agent_gym_train.models`` (``smollm2``, ``tiny``, a
-local Hugging Face directory). Checkpoint paths are plain directories.
+models), and a ``base_model`` is any spec of ``agent_gym_train.backends.models``
+(``smollm2``, ``tiny``, a local Hugging Face directory). Checkpoint paths are plain directories.
 
 The learner computes only what the trained positions depend on, with the same loss and
 gradient as the full-logits pass: the LM head and log-softmax run only where a target trains
@@ -50,6 +50,7 @@ from pytrio.types import (
 )
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from agent_gym_train.backends import IGNORE_TARGET
 from agent_gym_train.backends.checkpoints import (
     TrainingSetup,
     load_checkpoint,
@@ -58,6 +59,7 @@ from agent_gym_train.backends.checkpoints import (
 )
 from agent_gym_train.backends.logprobs import split_model, target_logprobs
 from agent_gym_train.backends.losses import check_loss, token_losses
+from agent_gym_train.backends.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
 from agent_gym_train.backends.prefix import (
     MIN_SHARED_PREFIX,
     SharedPrefix,
@@ -77,8 +79,6 @@ from agent_gym_train.backends.sampler import (
     LocalSamplingClient,
     sampling_copy,
 )
-from agent_gym_train.episode import IGNORE_TARGET
-from agent_gym_train.models import DEFAULT_MODEL, cache_dir, load_model, load_tokenizer
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -365,7 +365,7 @@ class LocalTrainingClient:
         if auto_shift:
             raise ValueError(
                 "the local backend takes pre-shifted datums (auto_shift=False), as "
-                "agent_gym_train.episode builds them"
+                "agent_gym_train.run.episode builds them"
             )
         loss_fn = loss_fn.strip().lower()
         config = check_loss(loss_fn, loss_fn_config)

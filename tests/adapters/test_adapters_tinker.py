@@ -24,7 +24,7 @@ from agent_gym.adapters.tinker import (
     reply_text,
 )
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.models import smollm2_tokenizer_dir
+from agent_gym_train.backends.models import smollm2_tokenizer_dir
 
 
 class LocalTokenCompleter(TokenCompleter):

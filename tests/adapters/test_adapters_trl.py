@@ -32,7 +32,7 @@ from agent_gym.env.state import EnvState  # noqa: E402
 from agent_gym.eval.policies import PolicyInput, Reply  # noqa: E402
 from agent_gym.eval.run import play_episode  # noqa: E402
 from agent_gym.render import ChatRenderer  # noqa: E402
-from agent_gym_train.models import load_model, load_tokenizer, smollm2_tokenizer_dir  # noqa: E402
+from agent_gym_train.backends.models import load_model, load_tokenizer, smollm2_tokenizer_dir  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

@@ -163,7 +163,7 @@ def test_vf_eval_with_the_embedded_model(tmp_path: Path) -> None:
     """SmolLM2 answers verifiers' prompts within seconds; each episode's reward is what the
     env gives its reply, which it could not copy from the observation."""
     torch = pytest.importorskip("torch")
-    from agent_gym_train.models import load_model, load_tokenizer
+    from agent_gym_train.backends.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
     model = load_model("smollm2", tokenizer)

@@ -1,5 +1,5 @@
 """TEMPO's generative critic: strict value parsing, a bounded prompt with privileged
-information, sampling on the policy's weights, and terminal endpoints worth zero."""
+information, sampling on the policy's weights, and terminal states worth zero."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from agent_gym_train.critic import (
     HISTORY_TURNS,
     Critic,
     critic_messages,
-    critic_rewards,
-    gather_values,
     parse_value,
 )
 from tests.helpers import tempo_toy
@@ -24,12 +22,6 @@ from tests.helpers import tempo_toy
 @pytest.fixture(scope="module")
 def sampler(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return LocalServiceClient().create_sampling_client(tempo_toy.value_model(tmp_path_factory))
-
-
-def test_critic_reward_on_hand_made_numbers() -> None:
-    raw = critic_rewards([0.2, None, 0.8, 0.5], target=0.5, r_max=1.0)
-    assert raw.tolist() == pytest.approx([-0.3, -1.0, -0.3, 0.0])  # failure: -1
-    assert critic_rewards([2.0, 4.0], target=1.0, r_max=4.0).tolist() == [-0.25, -0.75]
 
 
 @pytest.mark.parametrize(
@@ -89,13 +81,12 @@ def test_critic_samples_values_and_counts_cut_replies_as_failures(sampler: Any) 
     parsed = [s.value for s in samples if s.value is not None]
     assert len(parsed) >= 8 and len(set(parsed)) >= 2  # the toy speaks values, not one value
     assert all(s.sequence.tokens[: s.sequence.spans[0].start] == tuple(prompt) for s in samples)
-    value, _ = asyncio.run(critic.value(sampler, prompt, 4, seed=1))
+    (value,) = asyncio.run(critic.values(sampler, [prompt]))
     assert 0.0 <= value <= 1.0
     short = Critic(renderer, r_max=1.0, max_tokens=3, temperature=1.0)  # every reply is cut
     assert all(s.value is None for s in asyncio.run(short.sample(sampler, prompt, 4, seed=0)))
 
 
-def test_terminal_endpoints_are_worth_zero_without_sampling() -> None:
-    critic = Critic(None, r_max=1.0, max_tokens=4, temperature=1.0)  # type: ignore[arg-type]
-    values = asyncio.run(gather_values(critic, object(), [None, None], 2, [0, 1]))  # type: ignore[arg-type]
-    assert values == [(0.0, []), (0.0, [])]
+def test_terminal_states_are_worth_zero_with_nothing_scored() -> None:
+    critic = Critic(None, r_max=1.0, max_tokens=4)  # type: ignore[arg-type]
+    assert asyncio.run(critic.values(object(), [None, None])) == [0.0, 0.0]  # type: ignore[arg-type]

@@ -137,15 +137,12 @@ def test_the_median_readout_reads_the_middle_of_the_scored_replies(
     probabilities: dict[str, float], median: float
 ) -> None:
     renderer = ChatRenderer(smollm2_tokenizer())
-    critic = Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0, readout="median")
+    critic = Critic(renderer, r_max=1.0, max_tokens=8)
     prompt = critic.prompt(CHAT, 2, {})
     sampler = ScoredSampler(renderer, prompt, probabilities)
     assert asyncio.run(critic.median(sampler, prompt)) == median
-    value, sampled = asyncio.run(critic.value(sampler, prompt, 4, seed=0))
-    assert (value, sampled) == (median, [])  # nothing sampled for the estimate
-    doubled = Critic(renderer, r_max=2.0, max_tokens=8, temperature=1.0, readout="median")
+    assert asyncio.run(critic.values(sampler, [prompt, None])) == [median, 0.0]
+    doubled = Critic(renderer, r_max=2.0, max_tokens=8)
     stated = {str(2 * float(k)).removesuffix(".0"): p for k, p in probabilities.items()}
     scaled = ScoredSampler(renderer, doubled.prompt(CHAT, 2, {}), stated)
     assert asyncio.run(doubled.median(scaled, doubled.prompt(CHAT, 2, {}))) == 2 * median
-    with pytest.raises(ValueError, match="readout"):
-        Critic(renderer, r_max=1.0, max_tokens=8, temperature=1.0, readout="mode")

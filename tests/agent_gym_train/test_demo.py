@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from agent_gym.eval.stats import wilson_interval
 from agent_gym.eval.summary import Summary
-from agent_gym_train.args import PRESETS
+from agent_gym_train import sft
 from agent_gym_train.cli import COMMANDS
 from agent_gym_train.demo import table
 
@@ -25,4 +25,4 @@ def test_the_table_shows_counts_wilson_intervals_and_nll() -> None:
 
 def test_the_demo_is_a_train_command_and_trains_with_the_sft_preset() -> None:
     assert COMMANDS["demo"][1] == "agent_gym_train.demo"
-    assert PRESETS["sft"]["cpu-demo"]["epochs"] == 1
+    assert sft.Args.PRESETS["cpu-demo"]["epochs"] == 1

@@ -7,7 +7,7 @@ import math
 import pytest
 from pytrio import Datum
 
-from agent_gym_train.episode import (
+from agent_gym_train.run.episode import (
     DatumError,
     Episode,
     Span,

@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
-from agent_gym_train import grpo, rollout
+from agent_gym_train import grpo
 from agent_gym_train.cli import register
-from agent_gym_train.episode import Episode
 from agent_gym_train.grpo import Args, parse_args, train
+from agent_gym_train.run import run as run_module
+from agent_gym_train.run.episode import Episode
+from agent_gym_train.run.run import Run
 from tests.helpers import grpo_toy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,13 +84,14 @@ def test_dynamic_sampling_refills_degenerate_groups(
     """Groups of 4 on the toy task are often degenerate (all fail): each step rolls out more
     tasks until 2 groups have a signal, or the cap on extra groups is reached."""
     calls: list[tuple[int, str]] = []
-    real = grpo.rollout_step
+    real = Run.rollouts
 
-    def recording(*args: Any, purpose: str = "group", **kwargs: Any) -> list[list[Episode]]:
-        calls.append((len(args[3]), purpose))  # the starts of this call
-        return real(*args, purpose=purpose, **kwargs)
+    def recording(run: Run, *args: Any, purpose: str = "group", **kwargs: Any
+                  ) -> list[list[Episode]]:
+        calls.append((len(args[2]), purpose))  # the starts of this call
+        return real(run, *args, purpose=purpose, **kwargs)
 
-    monkeypatch.setattr(grpo, "rollout_step", recording)
+    monkeypatch.setattr(Run, "rollouts", recording)
     settings = {"batch_size": 2, "group_size": 4}
     history = train(toy_args(toy_model, tmp_path / "dapo", dynamic_sampling=True,
                              max_refill_groups=8, steps=3, **settings))
@@ -156,13 +159,13 @@ def test_grpo_plays_the_envs_own_turn_budget_unless_told_otherwise(
     """Search-v0 allows 6 replies; GRPO without --max-turns gives each episode all 6 (the
     toy model's replies are invalid searches, so episodes run until the env truncates)."""
     budgets: list[int] = []
-    real = rollout.rollout_groups
+    real = run_module.rollout_groups
 
     async def recording(*args: Any, **kwargs: Any) -> list[list[Episode]]:
         budgets.append(args[4].max_turns)
         return await real(*args, **kwargs)
 
-    monkeypatch.setattr(rollout, "rollout_groups", recording)  # as GRPO's steps call it
+    monkeypatch.setattr(run_module, "rollout_groups", recording)  # as a run's steps call it
     args = parse_args(["--env-id", "agent_gym/Search-v0", "--model", toy_model, "--lora-rank",
                        "0", "--steps", "1", "--batch-size", "1", "--group-size", "4",
                        "--max-tokens", "64", "--out", str(tmp_path / "six"), "--no-progress"])
@@ -181,7 +184,7 @@ def test_the_last_line_counts_steps_from_one_and_points_only_at_printed_warnings
 ) -> None:
     """A group of one is always degenerate, so these runs train nothing: one step warns in
     the last line alone, IDLE_WARNING steps warn first and the last line points there."""
-    from agent_gym_train.run import IDLE_WARNING
+    from agent_gym_train.run.run import IDLE_WARNING
 
     argv = ["--env-id", grpo_toy.ENV_ID, "--model", toy_model, "--lora-rank", "0",
             "--batch-size", "1", "--group-size", "1", "--max-turns", "2", "--max-tokens",

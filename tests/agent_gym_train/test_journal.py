@@ -1,4 +1,4 @@
-"""The journal of in-flight episodes (agent_gym_train.journal): a run killed at any moment
+"""The journal of in-flight episodes (agent_gym_train.run.journal): a run killed at any moment
 resumes its rollouts from their last turn, loses no episode and counts none twice."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from agent_gym.env.state import EnvState
-from agent_gym_train.episode import Episode, Span, TokenSequence
-from agent_gym_train.journal import BranchRecord, Journal, fingerprint
+from agent_gym_train.run.episode import Episode, Span, TokenSequence
+from agent_gym_train.run.journal import BranchRecord, Journal, fingerprint
 from tests.agent_gym_train.test_grpo import toy_model  # noqa: F401 (a fixture)
 from tests.helpers import grpo_toy
 from tests.helpers.fork_runner import PHASES, ForkRunner

@@ -17,9 +17,9 @@ from pytrio.errors.base import ValidationError
 
 from agent_gym_train.backends import runtime
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
-from agent_gym_train.models import ModelSpecError
+from agent_gym_train.backends.models import ModelSpecError
 
-# Two sequences with masked (-100) positions, as agent_gym_train.episode builds them.
+# Two sequences with masked (-100) positions, as agent_gym_train.run.episode builds them.
 TOKENS = [[5, 17, 29, 41, 53, 65, 77], [9, 21, 33, 45, 57]]
 SAMPLED = [[False, False, True, True, False, True], [False, True, True, True]]
 ADVANTAGE = [[0.0, 0.0, 1.5, 1.5, 0.0, 1.5], [0.0, -0.5, -0.5, -0.5]]

@@ -1,4 +1,4 @@
-"""The client-side objectives (agent_gym_train.losses) by hand, and forward_backward_custom locally."""
+"""The client-side objectives (agent_gym_train.run.losses) by hand, and forward_backward_custom locally."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pytrio import Datum, ModelInput
 from pytrio.errors.base import ValidationError
 
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
-from agent_gym_train.losses import Objective, policy_loss, problems
+from agent_gym_train.run.losses import Objective, policy_loss, problems
 from tests.agent_gym_train.test_local_backend import TOKENS, hand_logprobs, make_datums
 
 # Two hand-made sequences: the first trains its last 2 positions, the second all 3.

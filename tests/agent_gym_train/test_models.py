@@ -9,9 +9,10 @@ import pytest
 from pytrio import AdamParams, ModelInput, SamplingParams
 
 from agent_gym.render import ChatRenderer
-from agent_gym_train import grpo, models
+from agent_gym_train import grpo
+from agent_gym_train.backends import models
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.episode import TokenSequence, build_datum
+from agent_gym_train.run.episode import TokenSequence, build_datum
 
 
 @pytest.fixture

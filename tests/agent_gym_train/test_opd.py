@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from agent_gym.render import ChatRenderer
+from agent_gym_train.backends import IGNORE_TARGET
 from agent_gym_train.backends.local import LocalServiceClient
 from agent_gym_train.cli import register
-from agent_gym_train.episode import IGNORE_TARGET, Span, TokenSequence
 from agent_gym_train.opd import (
     PRIVILEGED_HEADER,
     Args,
@@ -29,6 +29,7 @@ from agent_gym_train.opd import (
     teacher_labels,
     train,
 )
+from agent_gym_train.run.episode import Span, TokenSequence
 from agent_gym_train.sft import Args as SftArgs
 from agent_gym_train.sft import train as sft_train
 from tests.helpers.chat_templates import smollm2_tokenizer
@@ -88,7 +89,7 @@ def test_a_teacher_label_is_the_teachers_greedy_reply_on_the_students_context() 
 
     from pytrio import ModelInput, SamplingParams
 
-    from agent_gym_train.episode import cross_entropy_datum
+    from agent_gym_train.run.episode import cross_entropy_datum
 
     teacher = LocalServiceClient().create_sampling_client("tiny")
     state = LabelState((5, 6, 7), (9, 10, 11, 12, 13))

@@ -1,4 +1,4 @@
-"""Rollouts ahead of the learner (agent_gym_train.pipeline) and GRPO with --max-staleness."""
+"""Rollouts ahead of the learner (agent_gym_train.run.pipeline) and GRPO with --max-staleness."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import threading
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,13 +16,12 @@ from pytrio import Datum
 from agent_gym_train import grpo
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
 from agent_gym_train.backends.runtime import native_bf16
-from agent_gym_train.clients import VersionedSampler
-from agent_gym_train.episode import build_datum
 from agent_gym_train.grpo import degenerate, train
-from agent_gym_train.losses import Objective
-from agent_gym_train.pipeline import RolloutPipeline, off_policy_objective
-from agent_gym_train.rollout import rollout_step, run_rollout_config
-from agent_gym_train.run import device_defaults, open_run
+from agent_gym_train.run.clients import VersionedSampler
+from agent_gym_train.run.episode import build_datum
+from agent_gym_train.run.losses import Objective
+from agent_gym_train.run.pipeline import RolloutPipeline, Weights, off_policy_objective
+from agent_gym_train.run.run import Run, device_defaults, open_run
 from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
 
 
@@ -92,10 +90,10 @@ def synchronous_grpo(args: grpo.Args, service: RecordingService) -> None:
     weights, the step's groups, their datums, one update."""
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
-        config = run_rollout_config(run, args.group_size)
+        config = run.rollout_config(args.group_size)
         for step in run.progress():
             sampler = run.training.save_weights_and_get_sampling_client()
-            groups = rollout_step(run, step, VersionedSampler(sampler, step),
+            groups = run.rollouts(step, VersionedSampler(sampler, step),
                                   run.tasks(run.rng(step), args.batch_size), config)
             datums = []
             for group in groups:
@@ -135,9 +133,9 @@ def test_rollouts_run_while_the_learner_trains_one_version_behind(
     update is held until they started (a synchronous loop would wait here forever)."""
     service = RecordingService(tmp_path / "checkpoints")
     started: dict[int, threading.Event] = {}
-    real = grpo.rollout_step
+    real = Run.rollouts
 
-    def recording(run: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+    def recording(run: Run, step: int, *args: Any, **kwargs: Any) -> Any:
         started.setdefault(step, threading.Event()).set()
         return real(run, step, *args, **kwargs)
 
@@ -146,7 +144,7 @@ def test_rollouts_run_while_the_learner_trains_one_version_behind(
             assert started.setdefault(update + 1, threading.Event()).wait(timeout=60), (
                 f"step {update + 1}'s rollouts did not start while update {update} waited")
 
-    grpo.rollout_step = recording
+    Run.rollouts = recording  # type: ignore[method-assign]
     try:
         original_create = service.create_full_training_client
 
@@ -160,7 +158,7 @@ def test_rollouts_run_while_the_learner_trains_one_version_behind(
                                  group_size=4, max_staleness=1, dynamic_sampling=False,
                                  loss="importance_sampling"), service)
     finally:
-        grpo.rollout_step = real
+        Run.rollouts = real  # type: ignore[method-assign]
     assert [row["sampler_version"] for row in history] == [0, 0, 1, 2, 3]
     assert [row["staleness"] for row in history] == [0, 1, 1, 1, 1]
     trained = [row for row in history if row["datums"]]
@@ -178,32 +176,30 @@ class FakeTraining:
         return self.version
 
 
-class FakeRun:
-    def __init__(self, start: int, steps: int) -> None:
-        self.start, self.steps = start, steps
-        self.training = FakeTraining()
-        self.service = object()
-
-    def checkpoints(self) -> dict[int, str]:
-        return {}
+def counter_weights(training: FakeTraining) -> Weights:
+    """A pipeline's weights on the counter: no checkpoints, no threads to share."""
+    return Weights(current=training.save_weights_and_get_sampling_client,
+                   saved=lambda path: 0, checkpoints={}, initial=None, threads=None)
 
 
 @pytest.mark.parametrize(("staleness", "start"), [(0, 0), (1, 0), (2, 0), (2, 3)])
 def test_each_step_samples_on_the_newest_weights_its_bound_allows(
     staleness: int, start: int
 ) -> None:
-    run = FakeRun(start, start + 6)
-    run.training.version = start
+    training = FakeTraining()
+    training.version = start
     collect = lambda step, policy: (step, policy.sampler, policy.version)  # noqa: E731
-    with closing(RolloutPipeline(run, collect, staleness)) as rollouts:
-        for step in range(start, start + 6):
+    steps = range(start, start + 6)
+    with closing(RolloutPipeline(collect, steps, counter_weights(training),
+                                 staleness)) as rollouts:
+        for step in steps:
             sampled = rollouts.take(step)
             # the sampler given is the weights of the version it is said to be
             assert sampled.batch == (step, sampled.version, sampled.version)
             assert sampled.version == max(start, step - staleness)
             assert 0 <= step - sampled.version <= staleness
-            run.training.version += 1  # the update
-            rollouts.publish(run.training.version)
+            training.version += 1  # the update
+            rollouts.publish(training.version)
 
 
 def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
@@ -212,13 +208,13 @@ def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
             raise ValueError("the env broke")
         return step
 
-    run = FakeRun(0, 5)
-    with closing(RolloutPipeline(run, collect, 1)) as rollouts:
+    training = FakeTraining()
+    with closing(RolloutPipeline(collect, range(5), counter_weights(training), 1)) as rollouts:
         assert rollouts.take(0).batch == 0
-        run.training.version = 1
+        training.version = 1
         rollouts.publish(1)
         assert rollouts.take(1).batch == 1
-        run.training.version = 2
+        training.version = 2
         rollouts.publish(2)
         with pytest.raises(RuntimeError, match="rollout worker failed") as raised:
             rollouts.take(2)
@@ -230,8 +226,8 @@ def test_a_failed_rollout_reaches_the_learner_and_the_worker_stops() -> None:
 
 def test_leaving_early_stops_the_worker_and_gives_the_threads_back() -> None:
     threads = torch.get_num_threads()
-    run = FakeRun(0, 10)
-    with closing(RolloutPipeline(run, lambda step, policy: step, 1)) as rollouts:
+    weights = counter_weights(FakeTraining())
+    with closing(RolloutPipeline(lambda step, policy: step, range(10), weights, 1)) as rollouts:
         rollouts.take(0)  # then leave without publishing: the worker waits for version 1
     assert rollouts._worker is not None
     rollouts._worker.join(timeout=10)
@@ -245,7 +241,7 @@ def test_staleness_options_are_checked() -> None:
     with pytest.raises(SystemExit):
         grpo.parse_args(["--max-staleness", "1", "--max-importance-weight", "0.5"])
     with pytest.raises(ValueError, match="not be negative"):
-        RolloutPipeline(FakeRun(0, 1), lambda step, policy: step, -1)  # type: ignore[arg-type]
+        RolloutPipeline(lambda step, policy: step, range(1), counter_weights(FakeTraining()), -1)
 
 
 @pytest.mark.skipif(not native_bf16(torch.device("cpu")), reason="this CPU has no bf16 units")
@@ -276,8 +272,6 @@ def test_samples_from_other_weights_train_truncated(
     rounded copy trains importance_sampling truncated; exact on-policy data does not, and a
     loss that clips its own ratio is left as it is."""
     plain = Objective("importance_sampling")
-    run = SimpleNamespace(args=SimpleNamespace(sampler_precision=precision), objective=plain)
-    got = off_policy_objective(run, staleness, 1.5)  # type: ignore[arg-type]
+    got = off_policy_objective(plain, precision, staleness, 1.5)
     assert got == (plain.truncated(1.5) if truncated else plain)
-    run.objective = Objective("ppo")
-    assert off_policy_objective(run, staleness, 1.5) == Objective("ppo")  # type: ignore[arg-type]
+    assert off_policy_objective(Objective("ppo"), precision, staleness, 1.5) == Objective("ppo")

@@ -12,7 +12,7 @@ from matplotlib.figure import Figure
 from agent_gym_train.cli import register
 from agent_gym_train.grpo import Args, train
 from agent_gym_train.plot import constant_metrics, draw, main, numeric_metrics, plot
-from agent_gym_train.runfiles import METRICS_FILE, read_metrics
+from agent_gym_train.run.files import METRICS_FILE, read_metrics
 from tests.helpers import grpo_toy
 
 

@@ -113,7 +113,7 @@ def test_a_checkpoint_is_named_as_init_from_names_it_and_a_bad_one_is_one_line(
 
     from agent_gym.cli.main import main
     from agent_gym_train.backends.local import LocalServiceClient
-    from agent_gym_train.runfiles import CHECKPOINT_FILE, Checkpoint
+    from agent_gym_train.run.files import CHECKPOINT_FILE, Checkpoint
 
     run = tmp_path / "run"
     training = LocalServiceClient(checkpoint_dir=run / "checkpoints", threads=1) \

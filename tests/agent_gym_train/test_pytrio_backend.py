@@ -18,10 +18,10 @@ from agent_gym.eval.run import evaluate
 from agent_gym.render import ChatRenderer
 from agent_gym_train.backends import make_service
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.episode import build_datum
 from agent_gym_train.grpo import Args, train
 from agent_gym_train.policies import SamplerPolicy
-from agent_gym_train.rollout import RolloutConfig, rollout_group
+from agent_gym_train.run.episode import build_datum
+from agent_gym_train.run.rollout import RolloutConfig, rollout_group
 from tests.helpers import grpo_toy
 from tests.helpers.pytrio_double import (
     MAX_SAMPLES_PER_REQUEST,

@@ -14,9 +14,9 @@ from pytrio import ModelInput
 from agent_gym.env.state import StateMismatchError
 from agent_gym.render import ChatRenderer, window_messages
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.episode import build_datum
-from agent_gym_train.rollout import RolloutConfig, RolloutError, rollout_group, rollout_metrics
-from agent_gym_train.store import cut
+from agent_gym_train.run.episode import build_datum
+from agent_gym_train.run.rollout import RolloutConfig, RolloutError, rollout_group, rollout_metrics
+from agent_gym_train.run.store import cut
 from tests.helpers import grpo_toy, tempo_toy
 
 

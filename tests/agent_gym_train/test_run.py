@@ -13,18 +13,18 @@ import gymnasium
 import pytest
 
 from agent_gym.seeding import derive_seed
-from agent_gym_train.args import RunArgs, parse_args
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.envpool import EnvPool
-from agent_gym_train.run import open_run
-from agent_gym_train.runfiles import (
+from agent_gym_train.run.args import RunArgs, parse_args
+from agent_gym_train.run.envpool import EnvPool
+from agent_gym_train.run.files import (
     CHECKPOINT_FILE,
     METRICS_FILE,
     Checkpoint,
     RunConfigError,
     read_metrics,
 )
-from agent_gym_train.store import StateStore
+from agent_gym_train.run.run import open_run
+from agent_gym_train.run.store import StateStore
 from tests.agent_gym_train.test_store import resume_point
 from tests.helpers import grpo_toy
 
@@ -202,7 +202,7 @@ def test_rerunning_into_the_same_out_continues_with_every_saved_argument(
 def test_steps_that_train_nothing_are_shown_and_explained(
     model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agent_gym_train.run import IDLE_WARNING, final_line
+    from agent_gym_train.run.run import IDLE_WARNING, final_line
 
     row = {"datums": 0, "cut_rate": 0.83, "reward_std": 0.0, "reward_mean": 0.0}
     with open_run(toy(model, tmp_path, save_every=100, max_tokens=512), 5) as run:
@@ -221,7 +221,7 @@ def test_defaults_follow_the_device_and_gpu_scale_settings_on_a_cpu_are_warned(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from agent_gym_train import grpo
-    from agent_gym_train.run import device_defaults
+    from agent_gym_train.run.run import device_defaults
 
     on_cpu = device_defaults(grpo.Args(device="cpu"))
     assert (on_cpu.batch_size, on_cpu.group_size, on_cpu.max_tokens) == (2, 4, 256)
@@ -261,13 +261,13 @@ def test_a_run_can_start_from_another_runs_weights_with_a_fresh_optimizer(
 
 def test_a_preset_fills_only_the_options_the_command_line_leaves_out() -> None:
     from agent_gym_train import grpo, opd, sft, tempo
-    from agent_gym_train.args import PRESETS, with_preset
+    from agent_gym_train.run.args import with_preset
 
-    for name, module in (("sft", sft), ("grpo", grpo), ("opd", opd), ("tempo", tempo)):
+    for module in (sft, grpo, opd, tempo):
         fields = {spec.name for spec in dataclasses.fields(module.Args)}
-        assert set(PRESETS[name]["cpu-demo"]) <= fields, name
+        assert set(module.Args.PRESETS["cpu-demo"]) <= fields, module.__name__
         preset = module.parse_args(["--preset", "cpu-demo"])
-        assert all(getattr(preset, k) == v for k, v in PRESETS[name]["cpu-demo"].items())
+        assert all(getattr(preset, k) == v for k, v in module.Args.PRESETS["cpu-demo"].items())
         assert preset.preset == "cpu-demo"
     demo = grpo.parse_args(["--preset", "cpu-demo", "--group-size", "8", "--max-tokens", "64"])
     assert (demo.batch_size, demo.group_size, demo.max_tokens) == (2, 8, 64)
@@ -303,7 +303,7 @@ def test_a_supervised_batch_adds_its_gradient_to_the_same_update(
     both together is the sum of each alone."""
     import torch
 
-    from agent_gym_train.episode import Span, TokenSequence, build_datum, cross_entropy_datum
+    from agent_gym_train.run.episode import Span, TokenSequence, build_datum, cross_entropy_datum
 
     policy = build_datum(TokenSequence((3, 4, 5, 6), (Span(2, (-1.0, -1.2)),)), 0.7)
     label = cross_entropy_datum(TokenSequence((3, 4, 7, 8, 9), (Span(3, (-0.5, -0.5)),)), 0.5)

@@ -18,8 +18,9 @@ from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import make_policy
 from agent_gym.eval.run import evaluate
 from agent_gym.render import ChatRenderer
+from agent_gym_train.backends import IGNORE_TARGET
 from agent_gym_train.backends.local import LocalServiceClient
-from agent_gym_train.episode import IGNORE_TARGET, cross_entropy_datum
+from agent_gym_train.run.episode import cross_entropy_datum
 from agent_gym_train.sft import (
     Args,
     Demonstration,

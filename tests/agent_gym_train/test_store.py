@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from agent_gym.env.state import EnvState
-from agent_gym_train.episode import Episode, ResumePoint, Span, TokenSequence
-from agent_gym_train.store import STORE_FORMAT_VERSION, StateStore, StoreError, cut, fresh_quota
+from agent_gym_train.run.episode import Episode, ResumePoint, Span, TokenSequence
+from agent_gym_train.run.store import STORE_FORMAT_VERSION, StateStore, StoreError, cut, fresh_quota
 
 
 def resume_point(version: int, index: int = 0) -> ResumePoint:

@@ -1,4 +1,4 @@
-"""Which tasks a step draws (agent_gym_train.tasks): uniformly as before, or preferring the
+"""Which tasks a step draws (agent_gym_train.run.tasks): uniformly as before, or preferring the
 tasks whose recent groups had mixed outcomes; a mixture's parts by their weights; rebuilt
 exactly by a continued run."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from agent_gym.env import EnvPart
 from agent_gym_train.grpo import train
-from agent_gym_train.runfiles import Metrics, RunConfigError
-from agent_gym_train.tasks import FLOOR, TaskSampler
+from agent_gym_train.run.files import Metrics, RunConfigError
+from agent_gym_train.run.tasks import FLOOR, TaskSampler
 from tests.agent_gym_train.test_grpo import toy_args, toy_model  # noqa: F401 (a fixture)
 from tests.helpers.grpo_toy import DIGITS, ENV_ID
 

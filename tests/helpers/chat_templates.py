@@ -9,7 +9,7 @@ from __future__ import annotations
 from tokenizers import Regex, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from agent_gym_train.models import smollm2_tokenizer_dir
+from agent_gym_train.backends.models import smollm2_tokenizer_dir
 
 QWEN_TOOLS = (
     "{%- if tools %}"

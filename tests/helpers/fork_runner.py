@@ -61,10 +61,10 @@ class ForkRunner:
 
 def _die_at(phase: str, call: int) -> None:
     """In the child: SIGKILL itself at the ``call``-th call of ``phase``."""
-    from agent_gym_train import run
     from agent_gym_train.backends.local import LocalTrainingClient
     from agent_gym_train.backends.sampler import LocalSamplingClient
-    from agent_gym_train.journal import Journal
+    from agent_gym_train.run import run
+    from agent_gym_train.run.journal import Journal
 
     calls = 0
 

@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from agent_gym.env.base import Opening, Task, TextEnv, Transition
-from agent_gym_train.models import tiny_model
+from agent_gym_train.backends.models import tiny_model
 
 ENV_ID = "agent_gym_tests/SayDigit-v0"
 DIGITS = "3579"

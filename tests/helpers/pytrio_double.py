@@ -48,7 +48,7 @@ from pytrio.runtime.service import ActorHeartbeatHandle
 from pytrio.types import APIFuture
 
 from agent_gym_train.backends.local import LocalServiceClient, LocalTrainingClient
-from agent_gym_train.models import load_tokenizer
+from agent_gym_train.backends.models import load_tokenizer
 
 MAX_SAMPLES_PER_REQUEST = 3  # small, so the SDK must split every realistic batch
 

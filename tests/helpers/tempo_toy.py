@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from agent_gym.render import ChatRenderer
-from agent_gym_train.models import tiny_model
+from agent_gym_train.backends.models import tiny_model
 from tests.helpers.grpo_toy import word_level_tokenizer
 
 WORDS = ["<value>", "</value>", *"0123456789", ".", " ", "\n", "system", "user", "assistant",

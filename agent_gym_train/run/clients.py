@@ -19,12 +19,12 @@ from pytrio.types import (
     SaveWeightsResponse,
 )
 
-from agent_gym_train.runfiles import Checkpoint, RunConfigError, checkpoint_path
+from agent_gym_train.run.files import Checkpoint, RunConfigError, checkpoint_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from agent_gym_train.args import RunArgs
+    from agent_gym_train.run.args import RunArgs
 
 
 class Sampler(Protocol):

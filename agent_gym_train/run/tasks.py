@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agent_gym.env import EnvPart
-from agent_gym_train.runfiles import Metrics, RunConfigError
+from agent_gym_train.run.files import Metrics, RunConfigError
 
 SAMPLERS = ("uniform", "mixed")
 WINDOW = 4  # groups of a task remembered

@@ -12,7 +12,7 @@ from typing import Any
 import gymnasium
 
 from agent_gym.env.base import EnvShape, describe_env
-from agent_gym_train.runfiles import RunConfigError
+from agent_gym_train.run.files import RunConfigError
 
 EnvFactory = Callable[[], gymnasium.Env]
 
@@ -56,7 +56,7 @@ def check_env(
 
 class EnvPool:
     """Environments kept open across rollout groups and steps; call it as the ``make_env``
-    factory of ``agent_gym_train.rollout``.
+    factory of ``agent_gym_train.run.rollout``.
 
     A rollout group makes its branches' envs and closes them when it ends. Through a pool,
     "make" hands out an idle env (building one only when none is idle) and "close" gives it

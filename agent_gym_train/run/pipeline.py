@@ -5,13 +5,13 @@ waits while the sampler rolls out, and on a machine where each would have a core
 own one of them idles for most of a step. ``RolloutPipeline`` lets the rollouts of later
 steps run, in a worker thread, while the learner trains the current one:
 
-* the weights have a **version**, the number of updates applied (``run.start`` when the
+* the weights have a **version**, the number of updates applied (the first step when the
   run opens: a continued run's first sampler is its checkpoint's weights);
 * the rollouts of step ``t`` are sampled on version ``max(0, t - max_staleness)``, so the
   data an update trains on is at most ``max_staleness`` versions behind the weights it
   updates, and the worker never runs further ahead than that; a continued run loads those
   older weights from the checkpoints that hold them (``Checkpoint.earlier``), so it samples
-  what a run never stopped would have, and the run's journal (``agent_gym_train.journal``)
+  what a run never stopped would have, and the run's journal (``agent_gym_train.run.journal``)
   continues the rollouts that were in flight;
 * after each update the trainer calls ``publish``, which takes a sampler on the new weights
   (on the learner's thread: the weights are not changing then) when a later step needs it.
@@ -19,7 +19,7 @@ steps run, in a worker thread, while the learner trains the current one:
 ``max_staleness=0`` is the synchronous loop itself, with no thread: ``take(step)`` takes a
 sampler on the current weights and rolls out, exactly as the trainers did before the
 pipeline existed. What the data sampled on older weights costs the objective, and how the
-loss bounds it, is in ``agent_gym_train.losses`` (``Objective.max_weight``).
+loss bounds it, is in ``agent_gym_train.run.losses`` (``Objective.max_weight``).
 
 On the local backend the learner and the sampler then run at once in one process: each is
 given half of the run's torch threads (at least one), since both call torch's one
@@ -33,18 +33,16 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import torch
 
 from agent_gym_train.backends.runtime import apply_threads
-from agent_gym_train.clients import Sampler, VersionedSampler
-from agent_gym_train.losses import Objective
-from agent_gym_train.options import option
-from agent_gym_train.run import Run
-from agent_gym_train.runfiles import checkpoint_path
+from agent_gym_train.run.args import option
+from agent_gym_train.run.clients import Sampler, VersionedSampler
+from agent_gym_train.run.losses import Objective
 
 T = TypeVar("T")
 SWITCH_INTERVAL_S = 0.0005  # how soon a thread computing in Python hands the GIL over
@@ -67,13 +65,13 @@ def max_importance_weight_option() -> float:
                   "(truncated importance sampling)")
 
 
-def off_policy_objective(run: Run, max_staleness: int, max_importance_weight: float
-                         ) -> Objective:
-    """The run's objective, truncated (``Objective.truncated``) when its samples come from
-    other weights than the learner's: older ones (``max_staleness``) or a bfloat16 copy
+def off_policy_objective(objective: Objective, sampler_precision: str, max_staleness: int,
+                         max_importance_weight: float) -> Objective:
+    """``objective``, truncated (``Objective.truncated``) when the samples come from other
+    weights than the learner's: older ones (``max_staleness``) or a bfloat16 copy
     (``--sampler-precision``), whose logprobs differ from the learner's by the rounding."""
-    exact = max_staleness == 0 and run.args.sampler_precision == "float32"
-    return run.objective if exact else run.objective.truncated(max_importance_weight)
+    exact = max_staleness == 0 and sampler_precision == "float32"
+    return objective if exact else objective.truncated(max_importance_weight)
 
 
 def staleness_problems(max_staleness: int, max_importance_weight: float) -> list[str]:
@@ -81,6 +79,17 @@ def staleness_problems(max_staleness: int, max_importance_weight: float) -> list
     return [*(["--max-staleness must not be negative"] if max_staleness < 0 else []),
             *(["--max-importance-weight must be at least 1"]
               if not 1 <= max_importance_weight < float("inf") else [])]
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where a pipeline takes its samplers (``Run.weights`` gives a run's)."""
+
+    current: Callable[[], Sampler]  # a sampler on the learner's weights as they are now
+    saved: Callable[[str | None], Sampler]  # one on a checkpoint's (None: the base model's)
+    checkpoints: Mapping[int, str]  # saved weight versions, by the step they complete
+    initial: str | None  # version 0: ``--init-from``'s checkpoint, or None (the base model)
+    threads: int | None  # the service's torch threads, shared with the learner (local backend)
 
 
 @dataclass(frozen=True)
@@ -95,17 +104,20 @@ class Sampled(Generic[T]):
 
 
 class RolloutPipeline(Generic[T]):
-    """Steps ``run.start .. run.steps - 1`` of rollouts, produced by ``collect(step,
-    sampler)`` and handed to the learner in order by ``take``. ``close`` it (``with
-    contextlib.closing(...)``): that stops the worker (a rollout in progress is abandoned)."""
+    """The rollouts of ``steps`` (a continued run's start to its end), produced by
+    ``collect(step, sampler)`` and handed to the learner in order by ``take``. ``close`` it
+    (``with contextlib.closing(...)``): that stops the worker (a rollout in progress is
+    abandoned)."""
 
     def __init__(
-        self, run: Run, collect: Callable[[int, VersionedSampler], T], max_staleness: int
+        self, collect: Callable[[int, VersionedSampler], T], steps: range, weights: Weights,
+        max_staleness: int,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"max_staleness must not be negative, got {max_staleness}")
-        self.run = run
         self.collect = collect
+        self.steps = steps
+        self.weights = weights
         self.max_staleness = max_staleness
         self._ready: dict[int, Sampled[T]] = {}
         self._samplers: dict[int, tuple[Sampler, float]] = {}
@@ -114,21 +126,19 @@ class RolloutPipeline(Generic[T]):
         self._changed = threading.Condition()
         self._worker: threading.Thread | None = None
         self._restore: tuple[int, float] | None = None
-        self._earlier: set[int] = set()  # versions before run.start, loaded from checkpoints
+        self._earlier: set[int] = set()  # versions before the first step, from checkpoints
         if max_staleness:
             self._share_cores()
-            saved = run.checkpoints()
-            for version in sorted({max(0, t - max_staleness)
-                                   for t in range(run.start, run.steps)}):
-                if version >= run.start:
+            saved = weights.checkpoints
+            for version in sorted({max(0, t - max_staleness) for t in steps}):
+                if version >= steps.start:
                     break
                 if version in saved or version == 0:
                     t0 = time.perf_counter()
-                    sampler = run.service.create_sampling_client(
-                        run.args.model, saved.get(version) or self._initial_weights())
+                    sampler = weights.saved(saved.get(version) or weights.initial)
                     self._samplers[version] = (sampler, time.perf_counter() - t0)
                     self._earlier.add(version)
-            self._publish_now(run.start)
+            self._publish_now(steps.start)
             self._worker = threading.Thread(target=self._produce, name="rollouts", daemon=True)
             self._worker.start()
 
@@ -137,13 +147,14 @@ class RolloutPipeline(Generic[T]):
         updates old, as in a run never stopped, unless the run continues and those older
         weights are in no checkpoint; then the checkpoint's."""
         wanted = max(0, step - self.max_staleness)
-        return wanted if wanted >= self.run.start or wanted in self._earlier else self.run.start
+        start = self.steps.start
+        return wanted if wanted >= start or wanted in self._earlier else start
 
     def take(self, step: int) -> Sampled[T]:
         """Step ``step``'s rollouts; waits for the worker if they are not done yet."""
         if self._worker is None:  # synchronous: sample on the weights as they are now
             t0 = time.perf_counter()
-            sampler = self.run.training.save_weights_and_get_sampling_client()
+            sampler = self.weights.current()
             t1 = time.perf_counter()
             batch = self.collect(step, VersionedSampler(sampler, step))
             return Sampled(step, step, batch, t1 - t0, time.perf_counter() - t1)
@@ -159,7 +170,7 @@ class RolloutPipeline(Generic[T]):
         samples on this version. Call it right after the update, before anything else."""
         if self._worker is None:
             return
-        if any(self.version_for(t) == version for t in range(version, self.run.steps)):
+        if any(self.version_for(t) == version for t in range(version, self.steps.stop)):
             self._publish_now(version)
 
     def close(self) -> None:
@@ -176,20 +187,14 @@ class RolloutPipeline(Generic[T]):
     # ----------------------------------------------------------------- worker
     def _publish_now(self, version: int) -> None:
         t0 = time.perf_counter()
-        sampler = self.run.training.save_weights_and_get_sampling_client()
+        sampler = self.weights.current()
         with self._changed:
             self._samplers[version] = (sampler, time.perf_counter() - t0)
             self._changed.notify_all()
 
-    def _initial_weights(self) -> str | None:
-        """Where version 0 lives: ``--init-from``'s checkpoint, else the base model (a
-        fresh LoRA adapter adds nothing: its second matrix starts at zero)."""
-        start = self.run.args.init_from
-        return checkpoint_path(start) if start is not None else None
-
     def _produce(self) -> None:
         try:
-            for step in range(self.run.start, self.run.steps):
+            for step in self.steps:
                 version = self.version_for(step)
                 with self._changed:
                     while version not in self._samplers and not self._stopping:
@@ -216,7 +221,6 @@ class RolloutPipeline(Generic[T]):
         """Half the run's torch threads each for the learner and the sampler (local
         backend), and quick GIL hand-overs between them."""
         self._restore = (torch.get_num_threads(), sys.getswitchinterval())
-        threads = getattr(self.run.service, "threads", None)
-        if isinstance(threads, int):
-            apply_threads(max(1, threads // 2))
+        if self.weights.threads is not None:
+            apply_threads(max(1, self.weights.threads // 2))
         sys.setswitchinterval(SWITCH_INTERVAL_S)

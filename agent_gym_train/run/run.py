@@ -1,21 +1,25 @@
 """What every trainer's run shares, as plain functions and small dataclasses.
 
 A trainer (``agent_gym_train.grpo``, ``agent_gym_train.tempo``) declares its ``Args`` on
-``RunArgs`` and parses them with ``parse_args`` (both ``agent_gym_train.args``), opens a
+``RunArgs`` and parses them with ``parse_args`` (both ``agent_gym_train.run.args``), opens a
 ``Run`` with ``open_run`` and then writes its own ``for step in run.progress():`` loop,
-calling back here only for the parts that are the same in every algorithm: the seeds, the
-tasks of a step, the update, and ``finish`` (the durable metrics line, then the
-checkpoint). There are no hooks or callbacks: each trainer still reads top to bottom.
+calling the run only for the parts that are the same in every algorithm: the seeds, the
+tasks and rollouts of a step, the update, and ``finish`` (the durable metrics line, then
+the checkpoint). There are no hooks or callbacks: each trainer still reads top to bottom.
 
-Beside this module: ``agent_gym_train.clients`` (what a run needs of a backend's clients),
-``agent_gym_train.envpool`` (the envs, built once and reused) and
-``agent_gym_train.runfiles`` (the files of a run: ``metrics.jsonl``, ``checkpoint.json``,
-and how a killed run continues from them).
+The run is where the pieces of this folder meet; none of them knows it (they take what
+they need as arguments): ``clients`` (what a run needs of a backend's clients),
+``envpool`` (the envs, built once and reused), ``rollout`` (groups of episodes),
+``journal`` (in-flight episodes), ``pipeline`` (rollouts ahead of the learner), ``tasks``
+(which tasks a step draws) and ``files`` (``metrics.jsonl``, ``checkpoint.json``, and how a
+killed run continues from them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -31,26 +35,34 @@ from tqdm import tqdm
 
 from agent_gym.render import ChatRenderer
 from agent_gym.seeding import derive_seed
-from agent_gym_train.args import RunArgs
 from agent_gym_train.backends import make_service
-from agent_gym_train.clients import ServiceClient, TrainingClient, training_client
-from agent_gym_train.envpool import EnvPool, check_env, env_factory
-from agent_gym_train.episode import active_tokens
-from agent_gym_train.journal import JOURNAL_FILE, Journal, fingerprint
-from agent_gym_train.losses import Objective
-from agent_gym_train.runfiles import (
+from agent_gym_train.run.args import RunArgs
+from agent_gym_train.run.clients import (
+    ServiceClient,
+    TrainingClient,
+    VersionedSampler,
+    training_client,
+)
+from agent_gym_train.run.envpool import EnvPool, check_env, env_factory
+from agent_gym_train.run.episode import Episode, active_tokens
+from agent_gym_train.run.files import (
     CHECKPOINT_FILE,
     METRICS_FILE,
     Checkpoint,
     Metrics,
     append_metrics,
+    checkpoint_path,
     keep_metrics_before,
     write_text,
 )
-from agent_gym_train.tasks import TaskSampler
+from agent_gym_train.run.journal import JOURNAL_FILE, GroupJournal, Journal, fingerprint
+from agent_gym_train.run.losses import Objective
+from agent_gym_train.run.pipeline import Weights
+from agent_gym_train.run.rollout import RolloutConfig, Start, rollout_groups
+from agent_gym_train.run.tasks import TaskSampler
 
 if TYPE_CHECKING:
-    from agent_gym_train.store import StateStore
+    from agent_gym_train.run.store import StateStore
 
 IDLE_WARNING = 3  # steps in a row that trained nothing before the run warns
 A = TypeVar("A", bound=RunArgs)
@@ -115,8 +127,8 @@ class Run:
 
     @property
     def journal(self) -> Journal:
-        """The run's journal of in-flight episodes (``agent_gym_train.journal``), opened
-        on first use: the trainers whose rollouts it keeps (``rollout_step``) use it."""
+        """The run's journal of in-flight episodes (``agent_gym_train.run.journal``), opened
+        on first use: the trainers whose rollouts it keeps (``rollouts``) use it."""
         if self._journal is None:
             self._journal = Journal(self.out / JOURNAL_FILE,
                                     fingerprint(dataclasses.asdict(self.args)),
@@ -151,6 +163,58 @@ class Run:
         """Reset options of ``count`` tasks, drawn by the run's task sampler (uniformly
         unless ``--task-sampler`` says otherwise; distinct while there are enough)."""
         return self.task_sampler.draw(rng, count)
+
+    # ---- rollouts on the run's envs, renderer and journal
+    def rollout_config(self, group_size: int, history_window: int | None = None
+                       ) -> RolloutConfig:
+        """The budgets the run's arguments set for groups of ``group_size`` branches; the
+        turn budget is the run's (``--max-turns``, else the env's own)."""
+        args = self.args
+        if args.max_tokens is None:
+            raise ValueError("--max-tokens is left to its device default: fill it first "
+                             "(device_defaults)")
+        return RolloutConfig(
+            group_size=group_size, max_turns=self.max_turns, max_tokens=args.max_tokens,
+            max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
+            history_window=history_window,
+        )
+
+    def rollouts(
+        self, step: int, policy: VersionedSampler, starts: Sequence[Start],
+        config: RolloutConfig, *, purpose: str = "group",
+    ) -> list[list[Episode]]:
+        """A step's groups, group ``g`` seeded by ``(step, purpose, g)`` so a continued run
+        draws what an uninterrupted one would, and journaled turn by turn (``journal``) so
+        a killed run continues them."""
+        return asyncio.run(rollout_groups(
+            self.envs, starts, policy.sampler, self.renderer, config,
+            seeds=[self.seed(step, purpose, g) for g in range(len(starts))],
+            concurrency=self.args.concurrency,
+            journals=[GroupJournal(self.journal, step, purpose, g, policy.version)
+                      for g in range(len(starts))],
+        ))
+
+    def sampled_versions(self, step: int, episodes: Sequence[Episode]) -> Metrics:
+        """Which weights sampled a step's episodes (the oldest of them, and how many updates
+        behind the step that trains them), and what they took from the run's journal."""
+        oldest = min((e.version for e in episodes if e.version is not None), default=step)
+        taken = self.journal.resumed(step)
+        return {"sampler_version": oldest, "staleness": step - oldest,
+                "journal_reused_episodes": taken.reused_episodes,
+                "journal_resumed_branches": taken.resumed_branches,
+                "journal_dropped_branches": taken.dropped_branches}
+
+    def weights(self) -> Weights:
+        """Where a ``RolloutPipeline`` takes its samplers: the learner's weights, or a
+        version saved in one of the run's checkpoints."""
+        init_from = self.args.init_from
+        return Weights(
+            current=self.training.save_weights_and_get_sampling_client,
+            saved=functools.partial(self.service.create_sampling_client, self.args.model),
+            checkpoints=self.checkpoints(),
+            initial=checkpoint_path(init_from) if init_from is not None else None,
+            threads=getattr(self.service, "threads", None),
+        )
 
     def update(
         self, datums: list[Datum], supervised: Sequence[Datum] = (),

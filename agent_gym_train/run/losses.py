@@ -42,7 +42,7 @@ import torch
 from pytrio import Datum
 from pytrio.types import APIFuture, ForwardBackwardOutput
 
-from agent_gym_train.episode import IGNORE_TARGET
+from agent_gym_train.backends import IGNORE_TARGET
 
 TOKEN_MEAN, SEQUENCE_MEAN = "token-mean", "sequence-mean"
 AGGREGATIONS = (TOKEN_MEAN, SEQUENCE_MEAN)

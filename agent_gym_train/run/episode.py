@@ -37,8 +37,7 @@ from pytrio import Datum, ModelInput
 from pytrio.types import TensorData
 
 from agent_gym.env.state import EnvState, StateError
-
-IGNORE_TARGET = -100
+from agent_gym_train.backends import IGNORE_TARGET
 
 
 class DatumError(ValueError):

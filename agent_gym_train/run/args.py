@@ -1,8 +1,11 @@
-"""The arguments every trainer shares: ``RunArgs`` and its checks, a trainer's ``Args``
-from the command line (a continued run's from its checkpoint), and the presets."""
+"""The arguments every trainer shares: ``RunArgs`` and its checks, a dataclass of options
+as a command line (``option`` declares a field with its ``--help`` line,
+``options_parser`` gives every field its ``--field-name``), and a trainer's ``Args`` from
+the command line (a continued run's from its checkpoint) or from a preset."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -10,14 +13,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from agent_gym import untrusted
+from agent_gym.cli.parsing import OneLineParser
 from agent_gym_train.backends import BACKENDS, SAMPLER_PRECISIONS
-from agent_gym_train.losses import AGGREGATIONS, POLICY_LOSSES, TOKEN_MEAN
-from agent_gym_train.losses import problems as loss_problems
-from agent_gym_train.options import option, options_parser
-from agent_gym_train.runfiles import CHECKPOINT_FILE, Checkpoint, RunConfigError
+from agent_gym_train.run.files import CHECKPOINT_FILE, Checkpoint, RunConfigError
+from agent_gym_train.run.losses import AGGREGATIONS, POLICY_LOSSES, TOKEN_MEAN
+from agent_gym_train.run.losses import problems as loss_problems
 
+T = TypeVar("T")
 LOSSES = POLICY_LOSSES
 OUT_HELP = "run directory; rerunning the command into it continues the run"
+
+
+def option(default: T, help: str, choices: Sequence[str] = ()) -> T:
+    """A field of a trainer's ``Args``: its default and the ``--help`` line it gets
+    (the parser adds the default; ``choices`` are checked and listed)."""
+    return field(default=default, metadata={"help": help, "choices": tuple(choices)})
+
+
+def options_parser(
+    args_type: type[RunArgs], prog: str, description: str, *, explicit_only: bool = False
+) -> argparse.ArgumentParser:
+    """``--field-name`` for every field: booleans as ``--x/--no-x``, dicts as JSON objects,
+    numbers typed by their annotation (``int | None`` defaults to None), the rest strings.
+
+    With ``explicit_only`` every default is left out of the namespace, so parsing tells
+    which options the user gave (a continued run keeps the others from its checkpoint).
+    """
+    parser = OneLineParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    for spec in dataclasses.fields(args_type):
+        flag = "--" + spec.name.replace("_", "-")
+        default: object = spec.default if spec.default is not dataclasses.MISSING else {}
+        if explicit_only:
+            default = argparse.SUPPRESS
+        kind = str(spec.type).removesuffix(" | None")
+        help_text = spec.metadata.get("help", "")
+        choices = spec.metadata.get("choices") or None
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        elif kind.startswith("dict"):
+            parser.add_argument(flag, type=_json_object, default=default, metavar="JSON",
+                                help=help_text)
+        elif spec.name == "ray":
+            parser.add_argument(flag, nargs="?", const="local", default=default,
+                                metavar="ADDRESS", help=help_text)
+        else:
+            parser.add_argument(flag, type={"int": int, "float": float}.get(kind, str),
+                                default=default, choices=choices, help=help_text)
+    return parser
+
+
+def _json_object(text: str) -> dict[str, object]:
+    try:
+        value = untrusted.loads(text)
+    except untrusted.UntrustedJSONError as err:  # argparse would say only "invalid _json_object"
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 @dataclass
@@ -83,7 +139,7 @@ class RunArgs:
     out: str = option("runs/run", OUT_HELP)
     progress: bool = option(True, "show a progress bar")
     preset: str | None = option(
-        None, "a named set of option values (see agent_gym_train.args.PRESETS; cpu-demo: steps "
+        None, "a named set of option values (the trainer's Args.PRESETS; cpu-demo: steps "
         "sized for a 2-core CPU); options you give override it")
 
     # Defaults that depend on where the model runs: (on a CPU, elsewhere). On a CPU a step of
@@ -94,6 +150,10 @@ class RunArgs:
     # The losses ``--loss`` may name: a trainer with another objective (SFT's cross_entropy)
     # declares its own, and ``Run.update`` sends whichever ``--loss`` says.
     LOSSES: ClassVar[tuple[str, ...]] = LOSSES
+    # ``--preset NAME``: option values applied before the ones given on the command line
+    # (which win). Each trainer declares its own on its ``Args``; cpu-demo sizes a step for
+    # SmolLM2-135M on 2 shared cores and one torch thread.
+    PRESETS: ClassVar[dict[str, dict[str, object]]] = {}
     # What a run is: a continued run may change anything else (it is reported), not these.
     IDENTITY: ClassVar[tuple[str, ...]] = ("env_id", "env_kwargs", "model", "lora_rank",
                                             "backend", "init_from")
@@ -136,39 +196,10 @@ def _given(value: int | None) -> int:
     return 1 if value is None else value
 
 
-# --------------------------------------------------------------------- presets
-# ``--preset NAME`` of each trainer: option values applied before the ones given on the
-# command line (which win). One table per trainer, all here, so they can be compared.
-# cpu-demo: a step well under a minute on 2 shared cores with SmolLM2-135M and one torch
-# thread (measured per trainer in the README), against the GPU-scale defaults (GRPO: 8 tasks
-# x 8 branches x 512 tokens; TEMPO: H=10, N=4, K=4, 512-token critic replies).
-PRESETS: dict[str, dict[str, dict[str, object]]] = {
-    "sft": {"cpu-demo": {"batch_size": 4, "epochs": 1, "learning_rate": 1e-3,
-                         "max_trajectory_tokens": 1024}},
-    "grpo": {"cpu-demo": {"batch_size": 2, "group_size": 4, "max_tokens": 48,
-                          "max_turns": 4}},
-    "opd": {"cpu-demo": {"batch_size": 2, "group_size": 2, "max_tokens": 48,
-                         "max_turns": 4}},
-    "tempo": {"cpu-demo": {"batch_size": 2, "horizon": 2, "branches": 2, "critic_samples": 2,
-                           "endpoint_samples": 1, "max_tokens": 32, "critic_max_tokens": 8,
-                           "max_turns": 6}},
-}
-
-
-def trainer_presets(args_type: type[RunArgs]) -> dict[str, dict[str, object]]:
-    """The presets of the trainer whose ``Args`` this is (``trainers.NAME``: ``PRESETS[NAME]``;
-    under ``python -m agent_gym_train.NAME`` its module is ``__main__``: its spec names it)."""
-    module = args_type.__module__
-    if module == "__main__":
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        module = spec.name if spec is not None else module
-    return PRESETS.get(module.rpartition(".")[2], {})
-
-
 def with_preset(args_type: type[A], preset: str, **given: Any) -> A:
     """A trainer's arguments from a preset and the values ``given`` over it (what
     ``--preset NAME --option value`` parses to), for callers that build ``Args`` in code."""
-    presets = trainer_presets(args_type)
+    presets = args_type.PRESETS
     if preset not in presets:
         raise RunConfigError(f"unknown preset {preset!r} for {args_type.__module__}; known: "
                              f"{', '.join(presets) or 'none'}")
@@ -187,7 +218,7 @@ def parse_args(args_type: type[A], argv: Sequence[str] | None, prog: str, descri
     given = vars(options_parser(args_type, prog, description, explicit_only=True)
                  .parse_args(argv))
     if values["preset"] is not None:
-        presets = trainer_presets(args_type)
+        presets = args_type.PRESETS
         if values["preset"] not in presets:
             parser.error(f"--preset must be one of {sorted(presets)}")
         values |= {k: v for k, v in presets[values["preset"]].items() if k not in given}

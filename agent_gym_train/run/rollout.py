@@ -32,7 +32,8 @@ env's replay already checks every observation digest), and ``max_turns`` is the
 macro-step's horizon. With ``keep_states`` each episode records its final env state and,
 when it stopped at the horizon, the prompt to continue from.
 
-Pass a ``agent_gym_train.envpool.EnvPool`` as ``make_env`` to reuse envs across groups and steps.
+Pass an ``agent_gym_train.run.envpool.EnvPool`` as ``make_env`` to reuse envs across groups
+and steps.
 """
 
 from __future__ import annotations
@@ -50,12 +51,11 @@ from pytrio.types import SampleSequence
 
 from agent_gym.render import ChatRenderer, Conversation
 from agent_gym.seeding import derive_seed
-from agent_gym_train.clients import Sampler, VersionedSampler
-from agent_gym_train.envpool import EnvFactory
-from agent_gym_train.episode import Episode, ResumePoint, TokenSequence
-from agent_gym_train.journal import BranchRecord, GroupJournal
-from agent_gym_train.run import Run
-from agent_gym_train.runfiles import Metrics
+from agent_gym_train.run.clients import Sampler
+from agent_gym_train.run.envpool import EnvFactory
+from agent_gym_train.run.episode import Episode, ResumePoint, TokenSequence
+from agent_gym_train.run.files import Metrics
+from agent_gym_train.run.journal import BranchRecord, GroupJournal
 
 Start = Mapping[str, Any] | ResumePoint | None  # a group's reset options, or where to resume
 
@@ -136,7 +136,7 @@ async def rollout_group(
     """Roll out ``config.group_size`` branches of one task (reset with ``start``'s options)
     or from a resume point. With a ``journal`` every branch is recorded at each turn
     boundary, and what the journal holds of this group is continued, not sampled again
-    (``agent_gym_train.journal``)."""
+    (``agent_gym_train.run.journal``)."""
     resume = start if isinstance(start, ResumePoint) else None
     if resume is not None and journal is not None:
         raise ValueError("a group resumed from a resume point is not journaled")
@@ -229,38 +229,6 @@ async def rollout_groups(
     return list(await asyncio.gather(*(one(*triple) for triple in triples)))
 
 
-def run_rollout_config(
-    run: Run, group_size: int, history_window: int | None = None
-) -> RolloutConfig:
-    """The budgets a run's arguments set for its groups of ``group_size`` branches; the
-    turn budget is the run's (``--max-turns``, else the env's own)."""
-    args = run.args
-    if args.max_tokens is None:
-        raise ValueError("--max-tokens is left to its device default: fill it first "
-                         "(agent_gym_train.run.device_defaults)")
-    return RolloutConfig(
-        group_size=group_size, max_turns=run.max_turns, max_tokens=args.max_tokens,
-        max_trajectory_tokens=args.max_trajectory_tokens, temperature=args.temperature,
-        history_window=history_window,
-    )
-
-
-def rollout_step(
-    run: Run, step: int, policy: VersionedSampler, starts: Sequence[Start],
-    config: RolloutConfig, *, purpose: str = "group",
-) -> list[list[Episode]]:
-    """A step's groups on the run's env pool and renderer, group ``g`` seeded by
-    ``(step, purpose, g)`` so a continued run draws what an uninterrupted one would, and
-    journaled turn by turn (``run.journal``) so a killed run continues them."""
-    return asyncio.run(rollout_groups(
-        run.envs, starts, policy.sampler, run.renderer, config,
-        seeds=[run.seed(step, purpose, g) for g in range(len(starts))],
-        concurrency=run.args.concurrency,
-        journals=[GroupJournal(run.journal, step, purpose, g, policy.version)
-                  for g in range(len(starts))],
-    ))
-
-
 def rollout_metrics(episodes: Sequence[Episode]) -> Metrics:
     """What a step's episodes did: reward, length, tokens, cuts, invalid actions, endings."""
     ends = Counter(e.end_reason for e in episodes)
@@ -276,17 +244,6 @@ def rollout_metrics(episodes: Sequence[Episode]) -> Metrics:
         "invalid_actions": sum(e.invalid_actions for e in episodes),
         "end_reasons": dict(ends),
     }
-
-
-def versions(step: int, episodes: Sequence[Episode], run: Run) -> Metrics:
-    """Which weights sampled a step's episodes (the oldest of them, and how many updates
-    behind the step that trains them), and what they took from the run's journal."""
-    oldest = min((e.version for e in episodes if e.version is not None), default=step)
-    taken = run.journal.resumed(step)
-    return {"sampler_version": oldest, "staleness": step - oldest,
-            "journal_reused_episodes": taken.reused_episodes,
-            "journal_resumed_branches": taken.resumed_branches,
-            "journal_dropped_branches": taken.dropped_branches}
 
 
 def _check_restored(

@@ -39,7 +39,7 @@ from typing import Any
 
 from agent_gym import untrusted
 from agent_gym.env.state import EnvState, StateError
-from agent_gym_train.episode import DatumError, Episode, TokenSequence
+from agent_gym_train.run.episode import DatumError, Episode, TokenSequence
 
 JOURNAL_FILE = "rollouts.sqlite"
 # Settings that change how a run proceeds or where it runs, but not what its rollouts are.
