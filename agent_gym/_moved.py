@@ -20,7 +20,6 @@ from types import ModuleType
 MOVED: dict[str, str] = {
     "agent_gym.core": "agent_gym.env",
     "agent_gym.state": "agent_gym.env.state",
-    "agent_gym.hoststore": "agent_gym.env.hoststore",
     "agent_gym.tools": "agent_gym.actions.tools",
     "agent_gym.protocols": "agent_gym.actions.protocols",
     "agent_gym.policies": "agent_gym.eval.policies",
@@ -32,6 +31,8 @@ MOVED: dict[str, str] = {
     "agent_gym.remote": "agent_gym.serve.remote",
     "agent_gym.distributed": "agent_gym.serve.distributed",
     "agent_gym.runs_cli": "agent_gym.cli.runs",
+    # Back out of env/: the engines share the host store, and they sit below the contract.
+    "agent_gym.env.hoststore": "agent_gym.hoststore",
 }
 
 

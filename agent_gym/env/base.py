@@ -34,7 +34,6 @@ import numpy as np
 
 from agent_gym import untrusted
 from agent_gym.actions.tools import sanitize_tool_output
-from agent_gym.env.hoststore import HostStore
 from agent_gym.env.prefixes import PrefixIndex, _StoreDisagrees
 from agent_gym.env.spaces import UnicodeText
 from agent_gym.env.state import (
@@ -48,6 +47,7 @@ from agent_gym.env.state import (
     split_reset_options,
 )
 from agent_gym.env.types import BackendFailure, Opening, ResetInfo, StepInfo, Task, Transition
+from agent_gym.hoststore import HostStore
 
 MAX_OBSERVATION_CHARS = 1_000_000
 MAX_ACTION_CHARS = 1_000_000
