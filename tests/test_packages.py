@@ -1,4 +1,5 @@
-"""The packages point one way: ``agent_gym_train`` imports ``agent_gym``, never the reverse."""
+"""The packages point one way: ``agent_gym_train`` imports ``agent_gym``, never the reverse
+(``test_layers`` holds every import to that), and what crosses between them is kept small."""
 
 from __future__ import annotations
 
@@ -24,16 +25,6 @@ def _imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
     return names
-
-
-def test_no_agent_gym_module_imports_agent_gym_train() -> None:
-    offenders = {
-        str(path.relative_to(PACKAGE)): sorted(
-            name for name in _imported_modules(path) if name.split(".")[0] == "agent_gym_train"
-        )
-        for path in PACKAGE.rglob("*.py")
-    }
-    assert {path: names for path, names in offenders.items() if names} == {}
 
 
 def test_the_trainers_take_only_the_parsing_module_of_the_cli() -> None:
