@@ -34,7 +34,7 @@ from agent_gym.env import (
     Transition,
     UnicodeText,
 )
-from agent_gym.env.base import _json_kwargs
+from agent_gym.env.state import _json_kwargs
 
 __all__ = [
     "ENV_ENTRY_POINTS",

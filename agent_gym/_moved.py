@@ -1,10 +1,12 @@
-"""The module paths of the flat layout, kept importable for one release.
+"""The module paths of the flat layout, kept importable until agent-gym ``REMOVED_IN``.
 
 The package was regrouped into folders that are its layers (``env``, ``actions``, ``eval``,
-``serve``, ``cli``). Code written against the old paths (``agent_gym.core``,
-``agent_gym.protocols``, ...) still imports: the old name resolves to the module at its new
-home -- the same module object, so classes, isinstance checks and pickles agree -- with a
-``DeprecationWarning`` naming the new path.
+``serve``, ``cli``), and the host store then left ``env`` for the leaves. Code written
+against an old path (``agent_gym.core``, ``agent_gym.protocols``, ``agent_gym.env.hoststore``,
+...) still imports: the old name resolves to the module at its new home -- the same module
+object, so classes, isinstance checks and pickles agree -- with a ``DeprecationWarning``
+naming the new path, attributed to the importing line so that Python shows it by default
+in a script.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import sys
 import warnings
 from types import ModuleType
 
-# old module -> new module; the next release drops this table.
+REMOVED_IN = "0.2.0"  # the release that deletes this module; a test fails once it is reached
+# old module -> new module
 MOVED: dict[str, str] = {
     "agent_gym.core": "agent_gym.env",
     "agent_gym.state": "agent_gym.env.state",
-    "agent_gym.hoststore": "agent_gym.env.hoststore",
     "agent_gym.tools": "agent_gym.actions.tools",
     "agent_gym.protocols": "agent_gym.actions.protocols",
     "agent_gym.policies": "agent_gym.eval.policies",
@@ -32,6 +34,8 @@ MOVED: dict[str, str] = {
     "agent_gym.remote": "agent_gym.serve.remote",
     "agent_gym.distributed": "agent_gym.serve.distributed",
     "agent_gym.runs_cli": "agent_gym.cli.runs",
+    # Back out of env/: the engines share the host store, and they sit below the contract.
+    "agent_gym.env.hoststore": "agent_gym.hoststore",
 }
 
 
@@ -64,8 +68,10 @@ def moved_attribute(package: str, name: str) -> object:
     module = MOVED_NAMES.get(package, {}).get(name)
     if module is None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    warnings.warn(f"{package}.{name} moved to {module}.{name}; the old path goes in the next "
-                  "release", DeprecationWarning, stacklevel=3)
+    # 1 is this function, 2 the module's __getattr__, 3 the importing line (the import
+    # system's own frames in between are skipped by warnings).
+    warnings.warn(f"{package}.{name} moved to {module}.{name}; the old path is removed in "
+                  f"agent-gym {REMOVED_IN}", DeprecationWarning, stacklevel=3)
     return getattr(importlib.import_module(module), name)
 
 
@@ -81,8 +87,10 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         new = MOVED[module.__name__]
-        warnings.warn(f"{module.__name__} moved to {new}; the old path goes in the next release",
-                      DeprecationWarning, stacklevel=3)
+        # 1 is this method; warnings skips the import system's frames, so 2 is the import
+        # statement (through importlib.import_module, importlib's own line instead).
+        warnings.warn(f"{module.__name__} moved to {new}; the old path is removed in agent-gym "
+                      f"{REMOVED_IN}", DeprecationWarning, stacklevel=2)
         # The import system returns what sys.modules holds under the name once this returns.
         sys.modules[module.__name__] = importlib.import_module(new)
 

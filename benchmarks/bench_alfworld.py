@@ -49,8 +49,8 @@ import agent_gym  # noqa: F401  (registers the envs)
 from agent_gym.alfworld.engine import Engine
 from agent_gym.alfworld.games import TASK_TYPES, bundled_root, find_games, read_game
 from agent_gym.alfworld.generate import generate_game
-from agent_gym.env.hoststore import STORE_PATH_ENV
 from agent_gym.envs.alfworld import ALFWorldEnv
+from agent_gym.hoststore import STORE_PATH_ENV
 
 ENV = "agent_gym/ALFWorld-v0"
 DEPTHS = (10, 20, 40)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 import agent_gym  # noqa: F401
-from agent_gym.env.hoststore import STORE_PATH_ENV
+from agent_gym.hoststore import STORE_PATH_ENV
 from agent_gym.sandbox.process import nursery_pid
 
 # One torch thread per test process (`make test` runs one pytest worker per core): the local

@@ -37,7 +37,8 @@ from openenv.core.env_server.types import Action, EnvironmentMetadata, Observati
 from pydantic import Field
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
-from agent_gym.env.base import TextEnv, _json_kwargs
+from agent_gym.env.base import TextEnv
+from agent_gym.env.state import _json_kwargs
 from agent_gym.serve.sessions import Episode, TaskIndexError, TaskList
 from agent_gym.serve.wire import ProtocolError, server_version
 

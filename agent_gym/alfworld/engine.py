@@ -14,7 +14,7 @@ with fast-downward's translator four times (twice in ``load``, twice again in ``
 ~250 ms each), parses the grammar with tatsu (~90 ms) and writes the admissible commands
 (~150 ms, as every step does). An engine here translates a game once per host: the
 translator's output (SAS text) is kept by content digest in this process and in the
-host store (``agent_gym.env.hoststore``), the parsed grammar per process, and the start's
+host store (``agent_gym.hoststore``), the parsed grammar per process, and the start's
 frame (intro and admissible commands) likewise; everything else is rebuilt from those in
 milliseconds. What a step costs is textworld writing the text (feedback and every
 admissible command, ~100 ms); moving the planner's state costs well under a millisecond.
@@ -65,7 +65,7 @@ except ModuleNotFoundError as err:  # the engine is an optional extra
         name=err.name,
     ) from err
 
-from agent_gym.env.hoststore import HostStore, code_fingerprint, host_store
+from agent_gym.hoststore import HostStore, code_fingerprint, host_store
 
 _LOCK = threading.RLock()
 _SPARE_LIBRARIES: list[Any] = []  # libdownward copies of closed engines, ready for reuse

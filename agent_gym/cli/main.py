@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import functools
 import json
-import os
 import re
 import signal
 import sys
@@ -334,36 +333,13 @@ def _run_name(policy_spec: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agent_gym.serve.app import ExposureError, serve
-    from agent_gym.serve.sessions import ServerConfig
+    from agent_gym.serve.launch import LaunchError, run_server
 
-    token, critic_token = (_token_from(flag, var) for flag, var in (
-        ("--token-env", args.token_env), ("--critic-token-env", args.critic_token_env)))
     try:
-        config = ServerConfig(
-            args.env_id, dict(args.env_arg), max_sessions=args.max_sessions,
-            idle_timeout_s=args.idle_timeout or None, max_request_bytes=args.max_request_bytes,
-            token=token, critic_token=critic_token,
-        )
-    except ValueError as err:  # a limit out of range, the critic's token the policy's
-        raise UserError(str(err)) from err
-    try:
-        serve(config, host=args.host, port=args.port, verbose=args.verbose,
-              allow_unauthenticated=args.allow_unauthenticated)
-    except ExposureError as err:
+        run_server(args)
+    except LaunchError as err:
         raise UserError(str(err)) from err
     return 0
-
-
-def _token_from(flag: str, variable: str | None) -> str | None:
-    """The token in environment variable ``variable`` (tokens never go on a command line,
-    where other users' ``ps`` shows them)."""
-    if variable is None:
-        return None
-    token = os.environ.get(variable)
-    if not token:
-        raise UserError(f"{flag} {variable} is not set")
-    return token
 
 
 def _missing_serve(missing: str, _: argparse.Namespace) -> int:
@@ -372,12 +348,7 @@ def _missing_serve(missing: str, _: argparse.Namespace) -> int:
 
 def _register_serve(commands: Any) -> None:
     try:
-        import agent_gym.serve.app  # noqa: F401  (it needs FastAPI, the serve extra)
-        from agent_gym.serve.sessions import (
-            DEFAULT_IDLE_TIMEOUT_S,
-            DEFAULT_MAX_REQUEST_BYTES,
-            DEFAULT_MAX_SESSIONS,
-        )
+        from agent_gym.serve import launch  # it needs FastAPI, the serve extra
         from agent_gym.serve.wire import OPENENV_VERSION_MATCHED
     except ImportError as err:  # the server's stack is an optional extra
         # Every argument, --help included, is taken as it comes, so whatever the user typed
@@ -395,28 +366,7 @@ def _register_serve(commands: Any) -> None:
         "'state' to restore mid-episode. Every env is built from the server's own --env-arg "
         "settings; a state saved with other settings is refused.",
     )
-    server.add_argument("env_id", help="e.g. agent_gym/GSM8K-v0")
-    add_env_arg(server, "env constructor argument (JSON value)")
-    server.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    server.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    server.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS,
-                        help="sessions held at once; more are refused (CAPACITY_REACHED)")
-    server.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
-                        metavar="SECONDS", help="close sessions idle this long (0: never)")
-    server.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="largest HTTP body or WebSocket frame accepted")
-    server.add_argument("--token-env", metavar="VAR",
-                        help="require 'Authorization: Bearer <$VAR>' on every request "
-                        "but /health (needed for a --host other than loopback)")
-    server.add_argument("--critic-token-env", metavar="VAR",
-                        help="serve the episode's privileged info (answers, oracle actions) "
-                        "to requests carrying critic_token=$VAR; without it no one gets it, "
-                        "and observations never carry it")
-    server.add_argument("--allow-unauthenticated", action="store_true",
-                        help="listen on a non-loopback --host with no token: anyone who "
-                        "reaches it can run episodes")
-    server.add_argument("--verbose", action="store_true",
-                        help="log a line per request and per WebSocket session")
+    launch.add_arguments(server)
     server.set_defaults(run=_serve)
 
 

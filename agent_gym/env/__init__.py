@@ -3,8 +3,9 @@
 ``base`` holds ``TextEnv`` (reset/step, turn counting, the action history and its replay)
 and ``OutcomeEnv``; ``types`` the values they exchange (``Task``, ``Opening``,
 ``Transition``, the info keys); ``spaces`` the ``UnicodeText`` space; ``state`` the saved
-state and its checks; ``prefixes`` the prefixes an env played, behind its fast restores, and
-``hoststore`` the host's record of them, behind fast restores in a fresh process.
+state and its checks; ``prefixes`` the prefixes an env played, behind its fast restores (the
+host's record of them, for a fresh process, is ``agent_gym.hoststore``, a leaf the engines
+share).
 """
 
 from agent_gym.env.base import (

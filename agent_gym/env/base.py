@@ -1,20 +1,12 @@
 """The one base class every agent_gym environment stands on.
 
-``TextEnv`` owns everything that must behave identically across environments: choosing a
-task from a seed or from options, counting turns (so no ``TimeLimit`` wrapper is needed,
-which would miscount after a restore), recording the action history with a digest of every
-observation, and restoring a saved state by replaying that history on a fresh task while
-checking each observation -- or by jumping over the prefixes it knows
-(``agent_gym.env.prefixes``), still checking every observation. It also owns the rules
-every env shares, so envs cannot drift apart on them: an invalid step earns
-``-invalid_penalty``; running out of turns truncates a multi-turn episode (a single-turn
-task, ``max_turns=1``, terminates with its one reply), and an env with right/wrong outcomes
-(``OutcomeEnv``) scores that as ``reward_incorrect``. Every observation a step returns is
-sanitised of chat-template control tokens and capped at ``max_obs_chars`` here.
-
-Backends outside the process (a search service, the code sandbox) can fail for reasons that
-have nothing to do with the episode: an env calls them through ``_outside``, which records a
-transient failure in the state, so a restore sees what the episode saw.
+``TextEnv`` owns what must behave identically across environments, so envs cannot drift
+apart on it: choosing a task, counting turns (no ``TimeLimit`` wrapper, which would miscount
+after a restore), the shared rules of ``step`` (invalid penalty, truncation, sanitised and
+capped observations), the action history with a digest of every observation, and restores
+that replay it -- or jump over the prefixes ``agent_gym.env.prefixes`` knows -- checking
+every observation. Backends outside the process are called through ``_outside``, which
+records a transient failure in the state, so a restore sees what the episode saw.
 """
 
 from __future__ import annotations
@@ -22,9 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import json
-import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, ClassVar, NamedTuple, TypeVar, cast
@@ -34,7 +23,6 @@ import numpy as np
 
 from agent_gym import untrusted
 from agent_gym.actions.tools import sanitize_tool_output
-from agent_gym.env.hoststore import HostStore
 from agent_gym.env.prefixes import PrefixIndex, _StoreDisagrees
 from agent_gym.env.spaces import UnicodeText
 from agent_gym.env.state import (
@@ -42,12 +30,15 @@ from agent_gym.env.state import (
     EnvState,
     StateError,
     StateMismatchError,
+    _json_kwargs,
+    _require_finite,
     decode_rng,
     digest,
     encode_rng,
     split_reset_options,
 )
 from agent_gym.env.types import BackendFailure, Opening, ResetInfo, StepInfo, Task, Transition
+from agent_gym.hoststore import HostStore
 
 MAX_OBSERVATION_CHARS = 1_000_000
 MAX_ACTION_CHARS = 1_000_000
@@ -61,22 +52,18 @@ class TextEnv(gymnasium.Env[str, str]):
     """A text environment for LLM agents with replayable, verifiable save/restore.
 
     Subclasses set ``env_id``, pass their tasks to ``__init__`` and implement ``_start`` and
-    ``_step``. ``_step`` must be deterministic given the task and the actions so far: that is
-    what makes replay a faithful restore. Every argument a subclass's constructor receives is
-    recorded (see ``__init_subclass__``) so a saved state can rebuild an identical env
-    elsewhere; constructor arguments must therefore be JSON values.
+    ``_step`` (their docstrings say what each must do). A subclass's constructor arguments
+    are recorded (``__init_subclass__``) so a state can rebuild the env elsewhere: JSON values.
 
-    Fast restore (``agent_gym.env.prefixes``): an env whose engine can snapshot itself
-    cheaply implements ``_snapshot`` and ``_restore_snapshot``, and restores in this instance
-    from its snapshots (``prefixes``, at most ``snapshot_cache_size``); one that can also
-    redo its engine's moves (``_move``, ``_redo``, ``_fingerprint``) and opts in with
-    ``use_prefix_store`` restores in a fresh instance or process from the host's record.
+    Fast restore (``agent_gym.env.prefixes``): an engine that snapshots cheaply implements
+    ``_snapshot`` and ``_restore_snapshot`` (at most ``snapshot_cache_size`` kept); one that
+    can also redo its moves (``_move``, ``_redo``, ``_fingerprint``) and opts in with
+    ``use_prefix_store`` restores in a fresh process from the host's record.
 
-    ``host_settings`` names the constructor arguments that decide what the host does rather
-    than what the episode is -- sandbox isolation and resource limits, network endpoints,
-    paths on the host, time budgets. States are data that travel between machines, so they
-    never choose them: ``agent_gym.make_from_state`` takes them from its caller, and a
-    restore does not compare them.
+    ``host_settings`` names the arguments that decide what the host does, not what the
+    episode is (isolation, limits, endpoints, host paths, time budgets). States travel
+    between machines, so they never choose them: ``agent_gym.make_from_state`` takes them
+    from its caller, and a restore does not compare them.
     """
 
     env_id: ClassVar[str] = ""
@@ -86,10 +73,9 @@ class TextEnv(gymnasium.Env[str, str]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Record each env's constructor arguments, so no env can forget one in its states:
-        a forgotten argument would rebuild a differently configured env on restore, which
-        the observation check may not catch (a changed reward, say). The outermost
-        constructor's arguments are kept; ``render_mode`` is left out because it does not
-        change what the env does."""
+        a forgotten one would rebuild a differently configured env on restore, which the
+        observation check may not catch (a changed reward, say). The outermost constructor's
+        are kept; ``render_mode`` is left out: it does not change what the env does."""
         super().__init_subclass__(**kwargs)
         if "__init__" not in cls.__dict__:
             return
@@ -158,18 +144,35 @@ class TextEnv(gymnasium.Env[str, str]):
 
     # ----------------------------------------------------------------- subclass hooks
     def _start(self, task: Task) -> Opening:
+        """Set the engine up for ``task`` and return how the episode opens (every subclass).
+
+        Called by every reset and restore, the last episode's bookkeeping cleared. The
+        ``Opening``: the first observation, the actor's chat (``messages``) and ``tools``,
+        what only a critic may see (``privileged``), reset info keys of the env's own. It
+        may depend only on the task, the constructor's arguments and ``np_random`` (restored
+        as it was after the task was drawn): a restore checks the first observation."""
         raise NotImplementedError
 
     def _step(self, action: str) -> Transition:
+        """Apply one reply (text within ``max_action_chars``) and return what it did (every
+        subclass).
+
+        The ``Transition``: the observation, the reward before the base's rules,
+        ``terminated`` when the task is over (answered, won), ``invalid`` for a reply that
+        could not be acted on (the base subtracts ``invalid_penalty``), the answer's chat
+        ``role``, step info keys of the env's own. Turns, truncation and the observation's
+        cleaning are the base's. It must be deterministic given the task, the actions so far
+        and ``np_random``: a restore replays it, checking every observation. A reply it
+        cannot parse is an invalid transition, not an exception; a backend outside the
+        process goes through ``_outside``, whose ``BackendFailure`` becomes an observation."""
         raise NotImplementedError
 
     def _close(self) -> None:
         """Release engines, sandboxes or connections; called by ``close``."""
 
     def _out_of_turns(self, last: Transition) -> Transition:
-        """The last allowed turn ended without ending the episode (truncated, or terminated
-        when the task is single-turn): return ``last`` as it should count
-        (``dataclasses.replace`` it); the default leaves it as it is."""
+        """The last allowed turn did not end the episode (truncated; terminated if single-turn):
+        return ``last`` as it should count (``dataclasses.replace`` it), by default as is."""
         return last
 
     def _snapshot(self) -> object | None:
@@ -180,21 +183,21 @@ class TextEnv(gymnasium.Env[str, str]):
         return None
 
     def _restore_snapshot(self, snapshot: object) -> bool:
-        """Put the engine where ``_snapshot`` returned ``snapshot``; called right after
-        ``_start`` of the same task. Return False when the snapshot can no longer be used
-        (say, the engine has loaded another game since), and the base replays instead."""
+        """Put the engine where ``_snapshot`` returned ``snapshot``, right after ``_start`` of
+        the same task; False when it no longer can (another game loaded since): the base
+        replays instead."""
         return False
 
     def _fingerprint(self, task: Task) -> str | None:
-        """A digest of what this task's episodes are played on beyond its id (its data), so
-        records of one host store never mix tasks that share an id; called right after
-        ``_start``. None (the default) keeps this env's prefixes out of the store."""
+        """A digest of what this task's episodes are played on beyond its id (its data), so a
+        host store never mixes tasks that share an id; called right after ``_start``. None
+        (the default) keeps this env's prefixes out of the store."""
         return None
 
     def _move(self) -> Any:
-        """What the last ``_step`` did to the engine, as a JSON value ``_redo`` can redo in
-        any instance of this env on this host, or None when it cannot be redone (then no
-        record of this prefix is kept). Called after every step: keep it cheap."""
+        """What the last ``_step`` did to the engine, as a JSON value ``_redo`` can redo in any
+        instance of this env on this host, or None (no record of this prefix is then kept).
+        Called after every step: keep it cheap."""
         return None
 
     def _redo(self, moves: Sequence[Any]) -> bool:
@@ -204,21 +207,18 @@ class TextEnv(gymnasium.Env[str, str]):
         return False
 
     def use_prefix_store(self, store: HostStore | None) -> None:
-        """Opt in to restores in a fresh instance or process (for an env with ``_fingerprint``,
-        ``_move`` and ``_redo``): record the prefixes played from the next episode on in
-        ``store``, which the host's processes share (``host_store``), and restore from its
-        records; None opts out."""
+        """Opt in to restores in a fresh process (an env with ``_fingerprint``, ``_move``,
+        ``_redo``): record the prefixes played from the next episode on in ``store`` (the
+        host's processes share it: ``host_store``) and restore from it; None opts out."""
         self.prefixes.use_store(store)
 
     def _outside(self, call: Callable[[], T],
                  transient: type[Exception] | tuple[type[Exception], ...]) -> T:
-        """Call a backend outside the episode (a search, a sandbox run) from ``_step``:
-        returns what ``call`` returns. When it raises one of the ``transient`` errors, the
-        failure is recorded for this step (and saved in the state) and ``BackendFailure``
-        carries its message; the env turns that into an observation. Restoring a state
-        raises the recorded ``BackendFailure`` at the same step without calling at all, so
-        the restore sees what the episode saw even if the backend has recovered since.
-        A step calls at most one backend: the record is per step."""
+        """Call a backend outside the episode (a search, a sandbox run) from ``_step``, at most
+        once a step: returns what ``call`` returns. A ``transient`` error is recorded for the
+        step (and saved in the state) and raised as ``BackendFailure``, which the env turns
+        into an observation; a restore raises the recorded failure at the same step without
+        calling, so it sees what the episode saw even if the backend has recovered since."""
         step = self.turn + 1
         if self._outside_step == step:
             raise RuntimeError(f"{type(self).__name__} called a backend twice in one step")
@@ -249,6 +249,28 @@ class TextEnv(gymnasium.Env[str, str]):
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[str, ResetInfo]:
+        """Start an episode, or restore a saved one mid-way.
+
+        Args:
+            seed: seeds ``np_random``, which draws the task when ``options`` names none (None
+                keeps the generator, as in Gymnasium).
+            options: ``task_id`` or ``index`` picks the task; ``state`` alone (an
+                ``EnvState``, its JSON or its dict) replays that episode's actions on a
+                fresh start, checking every observation, with the state's seed.
+
+        Returns:
+            ``(observation, info)``: the first observation (after a restore, the last one)
+            and ``ResetInfo``: ``task_id``, ``messages``, ``tools``, ``privileged`` (never for
+            the actor), ``turn``, the env's keys; a restore adds the last step's info and
+            ``history``, ``restored_depth``, ``step_rewards``, ``episode_end``, ``snapshot_*``.
+
+        Raises:
+            KeyError, IndexError, ValueError: an unknown task id, an index out of range, an
+                unknown option or one beside ``state``.
+            StateError: a state this env cannot restore (another env or settings, a task it
+                lacks); ``StateMismatchError`` when a replayed observation differs.
+            RuntimeError: the env is closed.
+        """
         self._require_open()
         state, options = split_reset_options(options)
         if state is not None:
@@ -262,6 +284,24 @@ class TextEnv(gymnasium.Env[str, str]):
         return opening.observation, self._opening_info(opening)
 
     def step(self, action: str) -> tuple[str, float, bool, bool, StepInfo]:
+        """Play one reply of the assistant.
+
+        Args:
+            action: the reply's text (bytes are read as UTF-8); one over ``max_action_chars``
+                is an invalid step, never shown to ``_step``.
+
+        Returns:
+            ``(observation, reward, terminated, truncated, info)``: the env's answer, cleared
+            of chat-template tokens, cut to ``max_obs_chars``; ``_step``'s reward less
+            ``invalid_penalty`` if invalid; ``terminated`` when the task ended (or a one-turn
+            task had its turn); ``truncated`` when a longer episode used ``max_turns``;
+            ``StepInfo``: ``message`` (role and observation), ``invalid``, ``turn``,
+            ``no_answer`` (an ``OutcomeEnv`` out of turns) and the env's keys.
+
+        Raises:
+            RuntimeError: before ``reset``, after the episode ended, or once closed.
+            TypeError: an action that is not text.
+        """
         self._require_open()
         if self._task is None:
             raise RuntimeError("call reset() before step()")
@@ -289,13 +329,12 @@ class TextEnv(gymnasium.Env[str, str]):
         out_of_turns = not result.terminated and self.turn + 1 >= self.max_turns
         if out_of_turns:
             result = self._out_of_turns(result)
-        # A single-turn task ends with its one reply: that is the task's natural end, so it
-        # terminates; only a multi-turn budget running out is a cut (truncated), after which
-        # a trainer may still value what the episode could have become.
+        # A single-turn task's one reply is its natural end (terminated); only a multi-turn
+        # budget running out is a cut (truncated), after which the episode still has a value.
         truncated = out_of_turns and self.max_turns > 1
         terminated = result.terminated or (out_of_turns and not truncated)
-        # Refusals quote the model and tool output is anything: neither may carry a turn
-        # boundary into the chat or outgrow the budget (max_obs_chars <= the space's limit).
+        # Refusals quote the model, tool output is anything: neither may carry a turn boundary
+        # into the chat or outgrow the budget (max_obs_chars <= the space's limit).
         observation = sanitize_tool_output(result.observation, self.max_obs_chars)
         reward = float(result.reward) - (self.invalid_penalty if result.invalid else 0.0)
         self._actions.append(action)
@@ -341,13 +380,13 @@ class TextEnv(gymnasium.Env[str, str]):
         kwargs = _json_kwargs(self.env_id, self._env_kwargs)
         return EnvState(env_id=self.env_id, env_kwargs=kwargs, task_id=task.task_id,
                         seed=self._seed, actions=tuple(self._actions),
-                        digests=tuple(self._digests),
-                        faults=tuple(sorted(self._faults.items())), rng=self._rng)
+                        digests=tuple(self._digests), faults=tuple(sorted(self._faults.items())),
+                        rng=self._rng)
 
     def state_mismatch(self, state: EnvState) -> str | None:
-        """Why this env cannot restore ``state`` before replaying it (another env, other
-        episode settings, more actions than its turns, a task not in its data), or None.
-        Checked before any work that grows with the state's length."""
+        """Why this env cannot restore ``state`` (another env, other episode settings, more
+        actions than its turns, a task it lacks), or None; before any work that grows with
+        the state's length."""
         if state.env_id != self.env_id:
             return f"state belongs to {state.env_id!r}, this env is {self.env_id!r}"
         saved, own = self.episode_settings(state.env_kwargs), self.settings
@@ -375,8 +414,7 @@ class TextEnv(gymnasium.Env[str, str]):
         try:
             try:
                 return self._replay(state, use_store=True)
-            except _StoreDisagrees:
-                # Real replay decides whether the record or the state is wrong.
+            except _StoreDisagrees:  # real replay decides whether the record or state is wrong
                 self._recorded = dict(state.faults)
                 return self._replay(state, use_store=False)
         except BaseException:
@@ -412,10 +450,8 @@ class TextEnv(gymnasium.Env[str, str]):
                 raise StateMismatchError(step_index, state.digests[step_index],
                                          "(episode already over)",
                                          f"the replayed episode ended before step {step_index}")
-            if step_index <= len(ahead):
-                outcome = self._advance(action, ahead[step_index - 1])
-            else:
-                outcome = self.step(action)
+            outcome = (self._advance(action, ahead[step_index - 1])
+                       if step_index <= len(ahead) else self.step(action))
             observation, reward, terminated, truncated, info = outcome
             rewards.append(reward)
             if step_index in self._recorded:
@@ -562,34 +598,3 @@ def describe_env(env_id: str, env_kwargs: Mapping[str, Any]) -> EnvShape:
         return EnvShape(num_tasks, max_turns, tuple(parts))
     finally:
         env.close()
-
-
-def _require_finite(env_name: str, kwargs: Mapping[str, Any]) -> None:
-    """Refuse a setting that is or holds NaN or an infinity: every such setting is a count,
-    a score or a budget, and a non-finite one never ends an episode or poisons every
-    reward; states, which carry the settings as JSON, could not hold it either."""
-    for name, value in kwargs.items():
-        pending = [value]
-        while pending:
-            item = pending.pop()
-            if isinstance(item, float) and not math.isfinite(item):
-                raise ValueError(f"{env_name} setting {name} must be a finite number, got {item!r}")
-            if isinstance(item, Mapping):
-                pending.extend(item.values())
-            elif isinstance(item, list | tuple):
-                pending.extend(item)
-
-
-def _json_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Constructor arguments as they travel in a state: JSON values (paths as strings)."""
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, os.PathLike):
-            return os.fspath(value)
-        raise TypeError(f"{type(value).__name__} is not a JSON value")
-
-    try:
-        return json.loads(json.dumps(kwargs, default=convert))
-    except TypeError as err:
-        raise StateError(f"{env_id} was built with constructor arguments that are not JSON "
-                         f"values, so its state cannot be saved: {err}") from err

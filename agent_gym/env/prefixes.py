@@ -39,9 +39,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from agent_gym.env.hoststore import HostStore, code_fingerprint
 from agent_gym.env.state import EnvState
 from agent_gym.env.types import Transition
+from agent_gym.hoststore import HostStore, code_fingerprint
 
 
 class PrefixKey(NamedTuple):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -237,3 +239,34 @@ def decode_rng(text: Any) -> np.random.Generator:
             "('pcg64:...')"
         ) from None
     return generator
+
+
+def _require_finite(env_name: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse a setting that is or holds NaN or an infinity: every such setting is a count,
+    a score or a budget, and a non-finite one never ends an episode or poisons every
+    reward; states, which carry the settings as JSON, could not hold it either."""
+    for name, value in kwargs.items():
+        pending = [value]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"{env_name} setting {name} must be a finite number, got {item!r}")
+            if isinstance(item, Mapping):
+                pending.extend(item.values())
+            elif isinstance(item, list | tuple):
+                pending.extend(item)
+
+
+def _json_kwargs(env_id: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Constructor arguments as they travel in a state: JSON values (paths as strings)."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+    try:
+        return json.loads(json.dumps(kwargs, default=convert))
+    except TypeError as err:
+        raise StateError(f"{env_id} was built with constructor arguments that are not JSON "
+                         f"values, so its state cannot be saved: {err}") from err

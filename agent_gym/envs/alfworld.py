@@ -18,7 +18,7 @@ from agent_gym.alfworld.games import (
     resolve_root,
 )
 from agent_gym.env.base import Opening, OutcomeEnv, Task, Transition
-from agent_gym.env.hoststore import default_path, host_store
+from agent_gym.hoststore import default_path, host_store
 
 STEP_TOOL = ToolSpec(
     name="alfworld_step",
@@ -110,7 +110,7 @@ class ALFWorldEnv(OutcomeEnv):
         invalid_penalty: subtracted from the reward of an invalid step.
         plan_timeout: seconds to plan a walkthrough for a game that has none (0: never).
         restore_store: the SQLite file this host's processes share for game translations
-            and played prefixes (see ``agent_gym.env.hoststore``). None (or True): the host's
+            and played prefixes (see ``agent_gym.hoststore``). None (or True): the host's
             default file, ``host_store.sqlite`` in ``$AGENT_GYM_CACHE`` (else
             ``~/.cache/agent_gym``), or ``$AGENT_GYM_HOST_STORE`` when set; a path: that
             file; False: none, everything is kept in this process only (a fresh process

@@ -10,6 +10,7 @@ from agent_gym import data
 from agent_gym.actions.protocols import TagProtocol, ToolCallProtocol, choose_protocol
 from agent_gym.actions.tools import ToolCallError, ToolSpec, parse_tag_call
 from agent_gym.env.base import BackendFailure, Opening, OutcomeEnv, Task, Transition
+from agent_gym.paths import cache_root
 from agent_gym.rewards import exact_match, f1_score
 from agent_gym.search import (
     BACKENDS,
@@ -17,7 +18,6 @@ from agent_gym.search import (
     Passage,
     ResponseCache,
     SearchError,
-    cache_root,
     open_backend,
     world_large,
 )

@@ -7,10 +7,10 @@ the same settings rebuild the same backend when a saved episode is restored.
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from pathlib import Path
 
+from agent_gym.paths import cache_root
 from agent_gym.search.bm25 import BM25Index, ensure_index, shared_index
 from agent_gym.search.cache import CachedBackend, ResponseCache
 from agent_gym.search.client import RetrievalClient
@@ -33,17 +33,10 @@ __all__ = [
     "SearchError",
     "WikipediaBackend",
     "bundled_corpus",
-    "cache_root",
     "open_backend",
 ]
 
 BACKENDS = ("bm25", "http", "wikipedia")
-
-
-def cache_root() -> Path:
-    """Where built indexes and persistent response caches live: `$AGENT_GYM_CACHE`, else
-    `~/.cache/agent_gym`."""
-    return Path(os.environ.get("AGENT_GYM_CACHE") or Path.home() / ".cache" / "agent_gym")
 
 
 def bundled_corpus() -> Path:

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from agent_gym.data import DataError, write_file_atomically
-from agent_gym.search import cache_root
+from agent_gym.paths import cache_root
 from agent_gym.search.bm25 import corpus_sha256
 from agent_gym.search.world import Corpus, Quotas, Spec, build_world, jsonl, questions
 

@@ -1,7 +1,9 @@
-"""What the OpenEnv packages in ``deploy/openenv/`` run: ``agent-gym serve`` for one env the
-way a container serves it, on every interface at port 8000 with every route but ``/health``
-behind the bearer token in ``AGENT_GYM_TOKEN`` (off loopback the server refuses to start
-without one). Each package's ``server/app.py`` names its env and calls these."""
+"""What the OpenEnv packages in ``deploy/openenv/`` run: the server of ``agent-gym serve``
+for one env the way a container serves it, on every interface at port 8000 with every route
+but ``/health`` behind the bearer token in ``AGENT_GYM_TOKEN`` (off loopback the server
+refuses to start without one). Each package's ``server/app.py`` names its env and calls
+these; they start the server through ``launch``, as the command does, not through the
+command line, which sits above this floor."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from agent_gym.cli.parsing import OneLineParser
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -18,18 +22,25 @@ TOKEN_ENV = "AGENT_GYM_TOKEN"
 PORT = 8000
 
 
-def serve_command(env_id: str, extra: Sequence[str] = ()) -> list[str]:
-    """The ``agent-gym`` arguments that serve ``env_id`` in a container; ``extra`` adds
-    options (``--env-arg max_turns=5``, ``--critic-token-env VAR``, ...)."""
-    return ["serve", env_id, "--host", "0.0.0.0", "--port", str(PORT),
-            "--token-env", TOKEN_ENV, *extra]
+def serve_arguments(env_id: str, extra: Sequence[str] = ()) -> list[str]:
+    """The server settings (``launch.add_arguments``) that serve ``env_id`` in a container;
+    ``extra`` adds options (``--env-arg max_turns=5``, ``--critic-token-env VAR``, ...)."""
+    return [env_id, "--host", "0.0.0.0", "--port", str(PORT), "--token-env", TOKEN_ENV, *extra]
 
 
 def serve_main(env_id: str, extra: Sequence[str] = ()) -> int:
-    """Run ``agent-gym serve`` for ``env_id`` as a container does, until stopped."""
-    from agent_gym.cli.main import main
+    """Serve ``env_id`` as a container does, until stopped; a setting the server refuses is
+    one line on stderr and exit status 2, as from ``agent-gym serve``."""
+    from agent_gym.serve.launch import LaunchError, add_arguments, run_server
 
-    return main(serve_command(env_id, extra))
+    parser = OneLineParser(prog="server.app", description=f"Serve {env_id} as its container does.")
+    add_arguments(parser)
+    try:
+        run_server(parser.parse_args(serve_arguments(env_id, extra)))
+    except LaunchError as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def asgi_app(env_id: str) -> FastAPI:

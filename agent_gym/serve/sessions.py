@@ -30,8 +30,8 @@ from typing import Any, TypeVar
 import gymnasium
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
-from agent_gym.env.base import TextEnv, _json_kwargs
-from agent_gym.env.state import EnvState, StateError
+from agent_gym.env.base import TextEnv
+from agent_gym.env.state import EnvState, StateError, _json_kwargs
 from agent_gym.serve.wire import (
     CAPACITY_REACHED,
     EXECUTION_ERROR,

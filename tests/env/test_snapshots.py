@@ -20,8 +20,8 @@ from agent_gym import (
     TextEnv,
     Transition,
 )
-from agent_gym.env.hoststore import HostStore
 from agent_gym.env.prefixes import chain_key
+from agent_gym.hoststore import HostStore
 
 
 class TallyEnv(TextEnv):

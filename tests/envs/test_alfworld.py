@@ -18,8 +18,8 @@ from agent_gym import StateError, StateMismatchError, make_from_state
 from agent_gym.actions.protocols import choose_protocol
 from agent_gym.actions.tools import parse_tool_call
 from agent_gym.alfworld.games import GameError, bundled_root, find_games
-from agent_gym.env.hoststore import STORE_PATH_ENV
 from agent_gym.envs.alfworld import PROTOCOLS, STEP_TOOL, ALFWorldEnv, canonical
+from agent_gym.hoststore import STORE_PATH_ENV
 
 ENV = "agent_gym/ALFWorld-v0"
 

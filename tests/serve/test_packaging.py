@@ -27,8 +27,9 @@ pytest.importorskip("fastapi")
 from openenv.cli._validation import validate_multi_mode_deployment
 from starlette.testclient import TestClient
 
-from agent_gym.cli.main import build_parser
-from agent_gym.serve.container import PORT, TOKEN_ENV, serve_command
+from agent_gym.cli.parsing import OneLineParser
+from agent_gym.serve.container import PORT, TOKEN_ENV, serve_arguments, serve_main
+from agent_gym.serve.launch import add_arguments
 from tests.helpers.serve_process import ROOT, running_server
 
 PACKAGES = sorted(path.parent for path in (ROOT / "deploy" / "openenv").glob("*/openenv.yaml"))
@@ -101,11 +102,20 @@ def test_container_recipe_copies_what_exists_and_runs_agent_gym_serve(package: P
                     assert set(word[2:-1].split(",")) <= set(extras), word
                 elif not word.startswith("-") and word != "requirements.lock":
                     assert normalized(word) in locked, word
-    # The command server/app.py runs is agent-gym's own serve, with the container's token.
+    # What server/app.py runs is agent-gym serve's own server, with the container's token.
     module = server_module(package)
-    args = build_parser().parse_args(serve_command(module.ENV_ID))
+    parser = OneLineParser()
+    add_arguments(parser)
+    args = parser.parse_args(serve_arguments(module.ENV_ID))
     assert (args.env_id, args.host, args.port, args.token_env) == (
         module.ENV_ID, "0.0.0.0", PORT, TOKEN_ENV)
+
+
+def test_the_container_entry_refuses_in_one_line_without_its_token(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert serve_main("agent_gym/GSM8K-v0") == 2
+    assert capsys.readouterr().err == f"server.app: error: --token-env {TOKEN_ENV} is not set\n"
 
 
 def test_the_packaged_asgi_app_needs_its_token(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
+from agent_gym.paths import cache_root
+
 STORE_PATH_ENV = "AGENT_GYM_HOST_STORE"  # moves the default file, for every process
 MAX_MEMORY_ENTRIES = 8192  # per table per process
 MAX_FILE_ROWS = 200_000  # per table; the oldest written go first
@@ -170,15 +172,13 @@ def host_store(table: str, path: str | os.PathLike[str] | None = None) -> HostSt
 def default_path() -> Path:
     """The host's store file when a caller names none: ``$AGENT_GYM_HOST_STORE``, else
     ``host_store.sqlite`` in agent_gym's cache directory (``$AGENT_GYM_CACHE`` or
-    ``~/.cache/agent_gym``, as ``agent_gym.search.cache_root`` decides for every cache).
+    ``~/.cache/agent_gym``, as ``agent_gym.paths.cache_root`` decides for every cache).
 
     A default file is what makes a fresh process fast without any option: what one process
     of this host computed, the next one reads back instead of redoing."""
     named = os.environ.get(STORE_PATH_ENV)
     if named:
         return Path(named).expanduser()
-    from agent_gym.search import cache_root  # here: its HTTP client is not needed otherwise
-
     return cache_root() / "host_store.sqlite"
 
 
@@ -192,7 +192,7 @@ def code_fingerprint() -> str:
     global _CODE_FINGERPRINT
     if _CODE_FINGERPRINT is None:
         hasher = hashlib.sha256()
-        root = Path(__file__).resolve().parent
+        root = Path(__file__).resolve().parent  # the package: this module sits at its top
         for source in sorted(root.rglob("*.py")):
             hasher.update(source.relative_to(root).as_posix().encode())
             hasher.update(source.read_bytes())

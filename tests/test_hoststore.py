@@ -1,4 +1,4 @@
-"""agent_gym.env.hoststore: bounded memory, a file shared by processes, damage survived."""
+"""agent_gym.hoststore: bounded memory, a file shared by processes, damage survived."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent_gym.env.hoststore import (
+from agent_gym.hoststore import (
     STORE_PATH_ENV,
     HostStore,
     code_fingerprint,
