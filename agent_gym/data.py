@@ -8,12 +8,11 @@ package so that everything runs offline.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agent_gym.durable import read_jsonl
 from agent_gym.extras import install_hint
 
 
@@ -22,7 +21,9 @@ class DataError(ValueError):
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
-    """Records from a ``.jsonl``/``.json`` or ``.parquet`` file."""
+    """Records from a ``.jsonl``/``.json`` or ``.parquet`` file. A JSONL line is read as
+    untrusted JSON (bounded length and depth, finite numbers: a data file is downloaded or
+    handed over), and the first bad one refuses the file, naming it."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {path} does not exist")
@@ -38,17 +39,13 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     if path.suffix != ".jsonl":
         raise DataError(f"{path}: expected a .jsonl, .json or .parquet file")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err})") from err
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: each line must be a JSON object")
-            records.append(record)
+    with path.open("rb") as handle:
+        for line in read_jsonl(handle, cut_ok=True):
+            if line.problem is not None:
+                raise DataError(f"{path}:{line.number}: the line {line.problem}")
+            if not isinstance(line.value, dict):
+                raise DataError(f"{path}:{line.number}: each line must be a JSON object")
+            records.append(line.value)
     return records
 
 
@@ -81,18 +78,3 @@ def require_fields(records: list[dict[str, Any]], fields: tuple[str, ...], sourc
         missing = [name for name in fields if name not in record]
         if missing:
             raise DataError(f"{source}: record {index} lacks the field(s) {missing}")
-
-
-def write_file_atomically(path: Path, content: bytes) -> None:
-    """Write a generated data file whole or not at all (a process killed half-way, or two
-    writing the same file at once, leaves the old file or the new one), readable by every
-    user of a shared cache or package."""
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(content)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -44,7 +44,7 @@ import numpy as np
 from pytrio import Datum
 
 from agent_gym.env.state import EnvState, StateError
-from agent_gym.eval.runlog import FINAL_STATE_SCHEMA, read_log
+from agent_gym.eval.runfiles import FINAL_STATE_SCHEMA, read_log
 from agent_gym.render import ChatRenderer, Conversation
 from agent_gym_train.run.args import OUT_HELP, RunArgs, option
 from agent_gym_train.run.args import parse_args as parse_run_args

@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from harness import RESULTS, Result  # noqa: E402
 
+from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym_train.critic import Critic, CriticSample  # noqa: E402
 from agent_gym_train.run.clients import Sampler  # noqa: E402
 from agent_gym_train.run.episode import cross_entropy_datum  # noqa: E402
@@ -113,7 +114,7 @@ def collections(run: Run, config: RolloutConfig, questions: int, key: dict[str, 
             return saved["pools"]
     sampler = run.training.save_weights_and_get_sampling_client()
     pools = [collect(run, sampler, config, seed, questions) for seed in (0, 10_000)]
-    path.write_text(json.dumps({"key": key, "pools": pools}))
+    replace_file(path, json.dumps({"key": key, "pools": pools}))
     return pools
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 
 from harness import RESULTS, Result
 
+from agent_gym.durable import replace_file
+
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("trimmed", "baseline")
 
@@ -77,7 +79,7 @@ def child(variant: str, init_from: str, steps: int, out: str, record: str) -> No
         gc.collect()
         rows.append({"time": time.time(), "resident_mb": round(resident_mb()),
                      "tensor_mb": round(tensor_mb())})
-        Path(record).write_text(json.dumps(rows))
+        replace_file(Path(record), json.dumps(rows))
         return result
 
     local.LocalTrainingClient.optim_step = probed

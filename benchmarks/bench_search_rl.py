@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench_alfworld_sft import ENV, agent_gym, summary  # noqa: E402
 from harness import RESULTS, Result  # noqa: E402
 
+from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
 from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
@@ -114,7 +115,7 @@ class Stages:
         self.timings[name] = {
             "wall_seconds": round(previous["wall_seconds"] + time.perf_counter() - started, 1),
             "cpu_seconds": round(previous["cpu_seconds"] + _children_cpu() - cpu, 1)}
-        self.file.write_text(json.dumps(self.timings, indent=1))
+        replace_file(self.file, json.dumps(self.timings, indent=1))
 
 
 def _children_cpu() -> float:

@@ -121,10 +121,6 @@ class SlowSearchEnv(SearchEnv):
         return super().step(action)
 
 
-if SLOW_ENV_ID not in gymnasium.registry:
-    gymnasium.register(SLOW_ENV_ID, entry_point=SlowSearchEnv, disable_env_checker=True)
-
-
 class TimedSearchEnv(SearchEnv):
     """Search-v0 whose step info also carries ``[started, ended]`` of the step on
     CLOCK_MONOTONIC (``time.monotonic``, the same clock in every process of the machine), so
@@ -138,8 +134,9 @@ class TimedSearchEnv(SearchEnv):
         return observation, reward, terminated, truncated, info
 
 
-if TIMED_ENV_ID not in gymnasium.registry:
-    gymnasium.register(TIMED_ENV_ID, entry_point=TimedSearchEnv, disable_env_checker=True)
+for bench_id, entry in ((SLOW_ENV_ID, SlowSearchEnv), (TIMED_ENV_ID, TimedSearchEnv)):
+    if bench_id not in gymnasium.registry:
+        gymnasium.register(bench_id, entry_point=entry, disable_env_checker=True)
 
 
 def summary(latencies: list[float], elapsed: float, client_cpu_s: float) -> dict[str, float]:
@@ -587,8 +584,7 @@ def throughput(steps: int, rate: int) -> dict[str, Any]:
                     "closed_loop": {
                         "in_process": local, "websocket": remote,
                         "added_p50_ms": round(remote["p50_ms"] - local["p50_ms"], 3),
-                        "throughput_ratio": round(remote["steps_per_s"] / local["steps_per_s"],
-                                                  3),
+                        "throughput_ratio": round(remote["steps_per_s"] / local["steps_per_s"], 3),
                     },
                     f"paced_{rate}_steps_per_s": {
                         "in_process": paced_local, "websocket": paced_remote,

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_gym.durable import replace_file
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # The keys ``Result.record`` puts around the figures
@@ -87,11 +89,12 @@ class Result:
         }
 
     def write(self, out: str | Path) -> Path:
-        """Write the record so far; call again (after each section, say) to bring it up to date."""
+        """Write the record so far; call again (after each section, say) to bring it up to date.
+        A benchmark killed mid-write keeps the record it wrote before, not half of this one."""
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.record(), indent=2) + "\n"
         for local, name in sorted(self.placeholders.items(), key=lambda kv: -len(kv[0])):
             text = text.replace(local, name)
-        path.write_text(text, encoding="utf-8")
+        replace_file(path, text)
         return path

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # cli/parsing.py is how every command parses, and needs only untrusted: serve's launcher
     # and the trainers share it without the rest of the command line.
-    ("leaves", ("agent_gym/seeding.py", "agent_gym/untrusted.py", "agent_gym/extras.py",
+    ("leaves", ("agent_gym/seeding.py", "agent_gym/untrusted.py", "agent_gym/durable.py",
+                "agent_gym/extras.py",
                 "agent_gym/paths.py", "agent_gym/hoststore.py", "agent_gym/cli/parsing.py")),
     ("engines", ("agent_gym/sandbox/", "agent_gym/search/", "agent_gym/alfworld/",
                  "agent_gym/actions/", "agent_gym/rewards.py", "agent_gym/render.py",
@@ -29,7 +30,11 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("envs", ("agent_gym/envs/", "agent_gym/__init__.py", "agent_gym/_moved.py")),
     ("eval, serve", ("agent_gym/eval/", "agent_gym/serve/")),
     ("adapters, cli", ("agent_gym/adapters/", "agent_gym/cli/")),
-    ("agent_gym_train", ("agent_gym_train/",)),
+    # The trainers: the backends know nothing of a run; the run's pieces nothing of the
+    # algorithms (none of them calls back into ``Run`` either: run/run.py is where they meet).
+    ("trainer backends", ("agent_gym_train/backends/",)),
+    ("trainer run", ("agent_gym_train/run/",)),
+    ("trainers", ("agent_gym_train/",)),
     ("benchmarks", ("benchmarks/",)),
     ("deploy", ("deploy/",)),
 )
@@ -127,3 +132,70 @@ def test_the_readme_lists_the_same_floors_in_the_same_order() -> None:
     rows = [line.split("|")[1].strip() for line in section.splitlines()
             if line.startswith("| ") and not line.startswith("| floor ")]
     assert rows == [name for name, _ in FLOORS]
+
+
+def test_no_piece_of_a_run_calls_back_into_the_run() -> None:
+    """run/run.py composes the run's pieces; a piece that imported it would tie rollouts,
+    the journal or the pipeline to one trainer loop's object."""
+    run = "agent_gym_train/run/run.py"
+    callers = [f"{path.relative_to(ROOT).as_posix()}:{line}"
+               for path in (ROOT / "agent_gym_train" / "run").glob("*.py")
+               if path.relative_to(ROOT).as_posix() != run
+               for line, name in imports(path)
+               if name.split(".")[0] == "agent_gym_train" and imported_file(name) == run]
+    assert not callers, "pieces that import run/run.py: " + ", ".join(callers)
+
+
+def test_the_trainers_import_no_module_in_a_circle() -> None:
+    """A floor allows imports within itself; a circle among them is still a knot (the
+    arguments and their parser, TEMPO and its critic were one)."""
+    graph: dict[str, set[str]] = {}
+    for path in sources():
+        module = path.relative_to(ROOT).as_posix()
+        if module.startswith("agent_gym_train/"):
+            graph[module] = {target for _, name in imports(path)
+                             if name.split(".")[0] == "agent_gym_train"
+                             and (target := imported_file(name)) != module
+                             and not target.endswith("/__init__.py")}
+    circles = [path for path in _circles(graph) if len(path) > 1]
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found

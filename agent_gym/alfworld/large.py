@@ -38,7 +38,7 @@ from agent_gym.alfworld.games import (
     find_games,
     large_pack,
 )
-from agent_gym.data import write_file_atomically
+from agent_gym.durable import SHARED_MODE, replace_file
 
 if TYPE_CHECKING:  # the engine needs textworld, which checking the packs does not
     from agent_gym.alfworld.engine import Engine
@@ -105,7 +105,7 @@ def regenerate(out_dir: Path, splits: Sequence[str],
         check(split, content)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{split}{PACK_SUFFIX}"
-        write_file_atomically(path, lzma.compress(content, preset=9))
+        replace_file(path, lzma.compress(content, preset=9), mode=SHARED_MODE)
         written.append(path)
     return written
 

@@ -35,14 +35,14 @@ from agent_gym.eval.compare import CompareError
 from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import PolicyError, PolicyInput, make_policy, phrase_action
 from agent_gym.eval.run import action_protocol, evaluate
-from agent_gym.eval.runlog import (
+from agent_gym.eval.runfiles import (
     ERRORS_FILE,
     FINAL_STATE_SCHEMA,
     MAX_LINE_BYTES,
-    RunMismatchError,
     read_json_file,
     read_log,
 )
+from agent_gym.eval.runlog import RunMismatchError
 from agent_gym.eval.runs import CONFIG_FILE, RunDirError, read_run
 from agent_gym.eval.summary import Summary, format_table, overall_summary
 from agent_gym.render import TemplateError

@@ -12,7 +12,8 @@ from agent_gym.cli.parsing import add_env_arg
 from agent_gym.eval.compare import CompareError, compare, format_comparison
 from agent_gym.eval.report import Compared, render_report
 from agent_gym.eval.rescore import default_output, format_rescore, rescore_run
-from agent_gym.eval.runlog import RESCORE_FILE, write_atomically
+from agent_gym.eval.runfiles import RESCORE_FILE
+from agent_gym.eval.runlog import write_file
 from agent_gym.eval.runs import Run, RunDirError, check_output, find_runs, read_run
 
 REPORT_FILE = "report.html"
@@ -52,7 +53,7 @@ def _write_output(out: Path, text: str) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise RunDirError(f"cannot write {out}: {err.strerror or err}") from err
-    write_atomically(target, text)
+    write_file(target, text)
 
 
 def _write_report(out: Path, sides: list[list[Run]], comparisons: list[Compared]) -> None:

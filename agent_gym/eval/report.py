@@ -20,7 +20,7 @@ from typing import Any
 
 from agent_gym import untrusted
 from agent_gym.eval.compare import Comparison, PairedDifference
-from agent_gym.eval.runlog import record_key
+from agent_gym.eval.runfiles import record_key
 from agent_gym.eval.runs import EpisodeKey, Run
 
 OPEN_MESSAGE_CHARS = 2000  # longer messages start collapsed (a click shows them whole)

@@ -24,7 +24,7 @@ from typing import Any
 
 import agent_gym
 from agent_gym.env.state import EnvState, StateError
-from agent_gym.eval.runlog import RESCORE_FILE, record_key
+from agent_gym.eval.runfiles import RESCORE_FILE, record_key
 from agent_gym.eval.runs import Run
 from agent_gym.eval.summary import Summary, summarize
 

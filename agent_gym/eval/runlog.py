@@ -1,18 +1,12 @@
-"""The run directory's files, and the one reader and the one writer of them.
+"""The one writer of a run directory: ``RunLog``.
 
 ``episodes.jsonl`` gets one line per finished episode, counted as done only once fsynced,
 so a run killed at any moment (even SIGKILL) resumes where it stopped: finished episodes
-are kept and only the missing (episode, rollout) pairs run again.
-
-Every file of a run directory is untrusted input to whoever reads it next: another version
-wrote it, a crash cut it, a disk corrupted it, a hand edited it. So every reader (the
-resume here, ``view``, ``compare``, ``rescore``, a suite's overall row) goes through
-``read_log`` and ``read_config``: JSON of bounded depth and line length, finite numbers in
-sane ranges, each record checked against its schema. What cannot be read is never
-deleted: readers skip it and say so, and a resume moves it, byte for byte, to
-``episodes.jsonl.quarantined`` (saying so in one line) before it appends to the log.
-One eval writes a run directory at a time (``eval.lock``); a second is refused with a line
-naming the first.
+are kept and only the missing (episode, rollout) pairs run again. A resume reads the
+directory as every reader does (``agent_gym.eval.runfiles``) and moves what it cannot
+read, byte for byte, to ``episodes.jsonl.quarantined`` (saying so in one line) before it
+appends to the log. One eval writes a run directory at a time (``eval.lock``); a second is
+refused with a line naming the first.
 """
 
 from __future__ import annotations
@@ -22,47 +16,39 @@ import concurrent.futures
 import errno
 import fcntl
 import json
-import math
 import os
-import secrets
 import socket
-import stat
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from agent_gym.eval.config import MAX_EPISODES, MAX_ROLLOUTS_PER_TASK, EvalConfig, Key
-from agent_gym.untrusted import UntrustedJSONError, loads
-
-CONFIG_FILE = "config.json"
-EPISODES_FILE = "episodes.jsonl"
-ERRORS_FILE = "errors.jsonl"
-SUMMARY_FILE = "summary.json"
-RESCORE_FILE = "rescore.json"
-QUARANTINE_FILE = "episodes.jsonl.quarantined"
-LOCK_FILE = "eval.lock"
-# What a run directory holds that its readers read or its writer keeps: no command's output
-# may land on one of them (``agent_gym.eval.runs.check_output``).
-RUN_FILES = (CONFIG_FILE, EPISODES_FILE, ERRORS_FILE, SUMMARY_FILE, RESCORE_FILE,
-             QUARANTINE_FILE, LOCK_FILE)
-
-# Bounds on what a reader takes in, each far past anything an eval writes: a line (an
-# episode with its whole transcript), a JSON file read whole, and the figures of a record.
-MAX_LINE_BYTES = 64 * 2**20
-MAX_CONFIG_BYTES = 2**20
-MAX_COUNT = 10**9  # turns, tokens, invalid actions
-MAX_FIGURE = 1e12  # |reward|, seconds: sums and means of many stay finite
-MAX_NOTED_LINES = 10  # unreadable lines named one by one; the rest are counted
-_COPY_CHUNK = 2**20
-
-
-class RunDirError(ValueError):
-    """A run directory cannot be used as asked: it is not one (or holds none), a file of it
-    cannot be read or written, or a file was to be written over one of its own."""
+from agent_gym.durable import (
+    AppendError,
+    Content,
+    append_lines,
+    copy_range,
+    open_append,
+    replace_file,
+)
+from agent_gym.eval.config import EvalConfig, Key
+from agent_gym.eval.runfiles import (
+    CONFIG_FILE,
+    EPISODE_SCHEMA,
+    EPISODES_FILE,
+    ERRORS_FILE,
+    LOCK_FILE,
+    QUARANTINE_FILE,
+    SUMMARY_FILE,
+    LogLines,
+    RunDirError,
+    read_config,
+    read_log,
+    record_key,
+)
 
 
 class RunMismatchError(RunDirError):
@@ -84,226 +70,6 @@ def write_error(path: Path, err: OSError) -> RunWriteError:
     return failure
 
 
-# ------------------------------------------------------------------------------ schemas
-Check = Callable[[Any], bool]
-# A record's fields: name -> (check of its value, required).
-Schema = Mapping[str, tuple[Check, bool]]
-
-
-def count(limit: int) -> Check:
-    """An integer (not a bool) from 0 to ``limit``."""
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
-
-
-def figure(value: Any) -> bool:
-    """A finite number of magnitude at most ``MAX_FIGURE`` (JSON's ``1e999`` parses as
-    infinity, so finiteness is checked here, not only by the parser)."""
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and abs(value) <= MAX_FIGURE)
-
-
-def text(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def optional(check: Check) -> Check:
-    return lambda v: v is None or check(v)
-
-
-def list_of(check: Check) -> Check:
-    return lambda v: isinstance(v, list) and all(check(item) for item in v)
-
-
-def _reply(value: Any) -> bool:
-    return (isinstance(value, dict) and figure(value.get("latency_s"))
-            and optional(text)(value.get("finish_reason")))
-
-
-# Everything a reader of a run computes from or shows of an episode line.
-EPISODE_SCHEMA: Schema = {
-    "episode": (count(MAX_EPISODES - 1), True),
-    "rollout": (count(MAX_ROLLOUTS_PER_TASK - 1), False),
-    "task_id": (text, True),
-    "reward": (figure, True),
-    "success": (lambda v: isinstance(v, bool), True),
-    "turns": (count(MAX_COUNT), True),
-    "latency_s": (figure, True),
-    "completion_tokens": (optional(count(MAX_COUNT)), True),
-    "prompt_tokens": (optional(count(MAX_COUNT)), False),
-    "invalid_actions": (count(MAX_COUNT), False),
-    "end_reason": (text, False),
-    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), False),
-    "replies": (list_of(_reply), False),
-    "transcript": (lambda v: isinstance(v, list), False),
-    "step_rewards": (list_of(figure), False),
-}
-# An episode line read for its final saved state (``replay --episode``, SFT on a run): what
-# those readers use, and no more, so a line whose figures are damaged still gives its state.
-FINAL_STATE_SCHEMA: Schema = {
-    "episode": EPISODE_SCHEMA["episode"],
-    "rollout": EPISODE_SCHEMA["rollout"],
-    "success": EPISODE_SCHEMA["success"],
-    "final_state": (lambda v: isinstance(v, dict), True),
-}
-ERROR_SCHEMA: Schema = {
-    "episode": (count(MAX_EPISODES - 1), True),
-    "rollout": (count(MAX_ROLLOUTS_PER_TASK - 1), False),
-    "error": (text, True),
-}
-
-
-def schema_problem(record: Any, schema: Schema) -> str | None:
-    """Why ``record`` does not fit ``schema`` (phrased to follow "line N"), or None."""
-    if not isinstance(record, dict):
-        return "is not a JSON object"
-    bad = [name for name, (check, required) in schema.items()
-           if (name in record or required) and not check(record.get(name))]
-    return f"has no valid {', '.join(bad)}" if bad else None
-
-
-def record_key(record: Mapping[str, Any]) -> Key:
-    """An episode line's (episode, rollout); lines written before rollouts existed are
-    rollout 0."""
-    return int(record["episode"]), int(record.get("rollout", 0))
-
-
-# ------------------------------------------------------------------------------ reading
-@dataclass(frozen=True)
-class Unreadable:
-    """A line a reader could not take: where it is (bytes ``start`` to ``end``) and why."""
-
-    line: int
-    start: int
-    end: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class LogLines:
-    """What a JSONL file of a run holds: each record that fits its schema, with its line
-    number, in file order, and every line that does not."""
-
-    name: str
-    records: list[tuple[int, dict[str, Any]]]
-    unreadable: list[Unreadable]
-
-    def by_episode(self) -> tuple[dict[Key, dict[str, Any]], list[Key]]:
-        """The records by (episode, rollout), the first line of each kept, and the keys
-        logged again after it (an episode is logged once; a second line is never read)."""
-        first: dict[Key, dict[str, Any]] = {}
-        again: list[Key] = []
-        for _, record in self.records:
-            key = record_key(record)
-            if key in first:
-                again.append(key)
-            else:
-                first[key] = record
-        return first, again
-
-    def notes(self) -> list[str]:
-        """What a reader skipped, one note per line for the first few, then a count."""
-        notes = [f"{self.name}: line {bad.line} {bad.reason}; skipped"
-                 for bad in self.unreadable[:MAX_NOTED_LINES]]
-        rest = len(self.unreadable) - MAX_NOTED_LINES
-        if rest > 0:
-            notes.append(f"{self.name}: {rest} more unreadable line{'s' * (rest != 1)} skipped")
-        return notes
-
-
-def read_log(path: Path, schema: Schema) -> LogLines:
-    """Every line of ``path`` (none when it does not exist), read and never changed.
-
-    A line is taken when it is whole (a kill can cut the last one), at most
-    ``MAX_LINE_BYTES`` long, UTF-8 JSON of bounded depth with finite numbers, and fits
-    ``schema``; blank lines are passed over; everything else is ``unreadable``.
-    """
-    records: list[tuple[int, dict[str, Any]]] = []
-    unreadable: list[Unreadable] = []
-    try:
-        with open_regular(path) as handle:
-            for number, (start, end, line) in enumerate(_lines(handle), start=1):
-                if line is None:
-                    reason: str | None = f"is longer than {MAX_LINE_BYTES:,} bytes"
-                elif not line.endswith(b"\n"):
-                    reason = "is cut off (a killed run)"
-                elif not line.strip():
-                    continue
-                else:
-                    try:
-                        record = loads(line)
-                    except UntrustedJSONError as err:
-                        reason = str(err)
-                    else:
-                        reason = schema_problem(record, schema)
-                        if reason is None:
-                            records.append((number, record))
-                            continue
-                unreadable.append(Unreadable(number, start, end, reason))
-    except FileNotFoundError:
-        pass
-    except OSError as err:
-        raise RunDirError(f"cannot read {path}: {err.strerror or err}") from err
-    return LogLines(path.name, records, unreadable)
-
-
-def open_regular(path: Path) -> BinaryIO:
-    """``path`` opened to read if it is a regular file (through links), else ``RunDirError``:
-    a run directory is untrusted, and a file there that is a FIFO or a link to a device
-    (``/dev/zero``) would keep every reader waiting or reading forever. The open does not
-    wait for a FIFO's writer, so it is refused at once."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise RunDirError(f"{path} is not a regular file; a run's files are")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _lines(handle: BinaryIO) -> Iterator[tuple[int, int, bytes | None]]:
-    """``(start, end, line)`` of each line, in bounded memory: a line longer than
-    ``MAX_LINE_BYTES`` comes as ``None`` (its bytes are skipped, never held)."""
-    position = 0
-    while line := handle.readline(MAX_LINE_BYTES + 1):
-        start = position
-        position += len(line)
-        if len(line) <= MAX_LINE_BYTES:
-            yield start, position, line
-            continue
-        while not line.endswith(b"\n") and (line := handle.readline(_COPY_CHUNK)):
-            position += len(line)
-        yield start, position, None
-
-
-def read_json_file(path: Path, limit: int) -> Any:
-    """A whole JSON file of a run, at most ``limit`` bytes; ``RunDirError`` (one line)
-    when it cannot be read, is larger, or is not JSON this code accepts."""
-    try:
-        with open_regular(path) as handle:
-            data = handle.read(limit + 1)
-    except OSError as err:
-        raise RunDirError(f"cannot read {path}: {err.strerror or err}") from err
-    if len(data) > limit:
-        raise RunDirError(f"{path} is larger than {limit:,} bytes; no run writes one that big")
-    try:
-        return loads(data)
-    except UntrustedJSONError as err:
-        raise RunDirError(f"{path} {err}") from err
-
-
-def read_config(path: Path) -> tuple[EvalConfig, dict[str, Any]]:
-    """The run ``config.json`` describes, and the file's settings as recorded (for
-    ``EvalConfig.differences``); ``RunDirError`` when it is not one."""
-    recorded = read_json_file(path, MAX_CONFIG_BYTES)
-    try:
-        return EvalConfig.from_recorded(recorded), recorded
-    except (TypeError, ValueError) as err:
-        raise RunDirError(f"{path} is not an eval config: {err}") from err
-
-
-# ------------------------------------------------------------------------------ writing
 class RunLog:
     """The run directory: config, finished episodes, errors; durable line by line.
 
@@ -345,7 +111,7 @@ class RunLog:
         self.notes = [self._quarantine(lines)] if lines.unreadable else []
         self.found = len(self.records)
         self.config = config.covering(self.records, recorded)
-        write_atomically(config_path, json.dumps(asdict(self.config), indent=2))
+        write_file(config_path, json.dumps(asdict(self.config), indent=2))
         self._errors_path = out_dir / ERRORS_FILE
         try:
             self._errors_path.unlink(missing_ok=True)  # errored episodes are retried on resume
@@ -369,9 +135,9 @@ class RunLog:
         bad = lines.unreadable
         try:
             with (self.episodes_path.open("rb") as source,
-                  os.fdopen(_open_append(quarantine), "wb") as side):
+                  os.fdopen(open_append(quarantine), "wb") as side):
                 for span in bad:
-                    _copy(source, side, span.start, span.end)
+                    copy_range(source, side, span.start, span.end)
                     source.seek(span.end - 1)
                     if source.read(1) != b"\n":
                         side.write(b"\n")
@@ -384,15 +150,15 @@ class RunLog:
             with self.episodes_path.open("rb") as source:
                 position = 0
                 for span in bad:
-                    _copy(source, target, position, span.start)
+                    copy_range(source, target, position, span.start)
                     position = span.end
-                _copy(source, target, position, None)
+                copy_range(source, target, position, None)
 
-        write_atomically(self.episodes_path, kept)
+        write_file(self.episodes_path, kept)
         first = bad[0]
         more = f", and {len(bad) - 1} more" if len(bad) > 1 else ""
         return (f"moved {len(bad)} unreadable line{'s' * (len(bad) != 1)} of "
-                f"{self.episodes_path} to {quarantine}: line {first.line} {first.reason}"
+                f"{self.episodes_path} to {quarantine}: line {first.number} {first.problem}"
                 f"{more}; the {len(self.records)} episodes it holds are kept")
 
     def finished(self) -> list[dict[str, Any]]:
@@ -437,7 +203,7 @@ class RunLog:
         return self._episodes.failed or (self._errors.failed if self._errors else None)
 
     def write_summary(self, text: str) -> None:
-        write_atomically(self.out_dir / SUMMARY_FILE, text)
+        write_file(self.out_dir / SUMMARY_FILE, text)
 
     def drain(self) -> None:
         """Commit what is pending and stop the writers (blocks: call it off the loop)."""
@@ -511,7 +277,7 @@ class _GroupCommitFile:
     def __init__(self, path: Path) -> None:
         self._path = path
         try:  # unbuffered: a failed write leaves nothing behind to be flushed at close
-            self._fd = _open_append(path)
+            self._fd = open_append(path)
         except OSError as err:
             raise write_error(path, err) from err
         self._pending: list[tuple[bytes, Callable[[], None] | None,
@@ -574,76 +340,23 @@ class _GroupCommitFile:
         part way (a full disk) still syncs what reached the file, so each whole line in it
         counts as saved, as a resume will find it; the first failure is kept in ``failed``
         and nothing is written after it (it may have cut a line)."""
-        synced = 0
         try:
             if self.failed is not None:
                 raise self.failed
-            written = 0
-            view = memoryview(data)
-            try:
-                while written < len(data):
-                    written += os.write(self._fd, view[written:])
-            finally:
-                if written:
-                    os.fsync(self._fd)
-                    synced = written
+            return append_lines(self._fd, data)
+        except AppendError as err:
+            self.failed = write_error(self._path, err)
+            return err.synced
         except BaseException as err:
             self.failed = write_error(self._path, err) if isinstance(err, OSError) else err
-        return synced
+            return 0
 
 
-def write_atomically(path: Path, content: str | Callable[[BinaryIO], None]) -> None:
-    """Replace ``path`` with ``content`` (text, or a function writing the bytes) so that a
-    kill at any moment leaves the old or the new file; ``RunWriteError`` when it cannot.
-
-    Writing in place truncates first: a run killed mid-write kept an empty ``config.json``
-    and every later resume crashed on it. The bytes go to a sibling temporary file, are
-    synced, and are renamed over ``path`` (atomic on POSIX); the directory is synced so the
-    rename survives a power cut too. The temporary name is new each time: two writers of
-    one fixed name took each other's file away mid-write.
-    """
-    temporary = None
+def write_file(path: Path, content: Content) -> None:
+    """``durable.replace_file``, failing with a ``RunWriteError`` naming ``path``: a kill at
+    any moment leaves the old file or the new one (a run killed while writing its config in
+    place kept an empty one, and every later resume crashed on it)."""
     try:
-        while temporary is None:
-            candidate = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            try:
-                fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                             0o666)
-            except FileExistsError:
-                continue
-            temporary = candidate
-        with os.fdopen(fd, "wb") as handle:
-            if isinstance(content, str):
-                handle.write(content.encode("utf-8"))
-            else:
-                content(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        temporary = None
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        replace_file(path, content)
     except OSError as err:
         raise write_error(path, err) from err
-    finally:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
-
-
-def _open_append(path: Path) -> int:
-    """A descriptor appending to ``path``, never through a symlink: a crafted run directory
-    must not make an eval write (or, for the lock, truncate) a file elsewhere."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                   0o666)
-
-
-def _copy(source: BinaryIO, target: BinaryIO, start: int, end: int | None) -> None:
-    """Bytes ``start`` to ``end`` (None: the end) of ``source``, in bounded memory."""
-    source.seek(start)
-    left = math.inf if end is None else end - start
-    while left > 0 and (chunk := source.read(int(min(left, _COPY_CHUNK)))):
-        target.write(chunk)
-        left -= len(chunk)

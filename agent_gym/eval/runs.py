@@ -5,7 +5,7 @@ what it read.
 A run directory may come from a run that was killed (a half-written last line of
 ``episodes.jsonl``, no ``summary.json`` or an old one), resumed (a later attempt's lines
 after an earlier attempt's), or made by a newer or older eval (config fields this code does
-not know), or be crafted. Every file is read through ``agent_gym.eval.runlog``'s readers,
+not know), or be crafted. Every file is read through ``agent_gym.eval.runfiles``' readers,
 as untrusted input (schema-checked, finite numbers, bounded sizes). Reading never changes
 the directory: a half-written or unreadable line is left where it is (a resume
 quarantines it), skipped and reported, and an episode number logged twice keeps its first
@@ -30,15 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent_gym.eval.config import EvalConfig
-from agent_gym.eval.runlog import (
+from agent_gym.eval.config import MAX_EPISODES, MAX_ROLLOUTS_PER_TASK, EvalConfig
+from agent_gym.eval.runfiles import (
     CONFIG_FILE,
     EPISODE_SCHEMA,
     EPISODES_FILE,
     ERROR_SCHEMA,
     ERRORS_FILE,
-    MAX_EPISODES,
-    MAX_ROLLOUTS_PER_TASK,
     QUARANTINE_FILE,
     RESCORE_FILE,
     RUN_FILES,

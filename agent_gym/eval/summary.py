@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym.eval.config import EvalConfig
-from agent_gym.eval.runlog import (
+from agent_gym.eval.runfiles import (
     EPISODE_SCHEMA,
     EPISODES_FILE,
     read_log,
@@ -267,7 +267,7 @@ def overall_summary(runs: Sequence[tuple[EvalConfig, Summary, Path]]) -> Summary
     """One policy's figures over several envs' runs (a suite): every task of every env
     counts once, and ``summarize`` computes the intervals over all of those tasks; as each
     env's summary does, it covers every episode their directories hold (read, never
-    changed, as every reader of a run reads them: ``agent_gym.eval.runlog.read_log``)."""
+    changed, as every reader of a run reads them: ``agent_gym.eval.runfiles.read_log``)."""
     first = runs[0][0]
     records = []
     for _, _, out_dir in runs:

@@ -29,7 +29,8 @@ import random
 import sys
 from pathlib import Path
 
-from agent_gym.data import DataError, write_file_atomically
+from agent_gym.data import DataError
+from agent_gym.durable import SHARED_MODE, replace_file
 from agent_gym.paths import cache_root
 from agent_gym.search.bm25 import corpus_sha256
 from agent_gym.search.world import Corpus, Quotas, Spec, build_world, jsonl, questions
@@ -186,7 +187,7 @@ def ensure(root: Path | None = None) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         for name, content in files.items():
             if not (directory / name).is_file():
-                write_file_atomically(directory / name, content)
+                replace_file(directory / name, content, mode=SHARED_MODE)
     for name, want in DIGESTS.items():
         got = corpus_sha256(directory / name)
         if got != want:

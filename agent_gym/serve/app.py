@@ -11,7 +11,7 @@ of them. The wire format follows OpenEnv's ``openenv`` package (``openenv.core.e
   with OpenEnv's error codes. A bad frame gets an error frame and the session goes on.
 * HTTP ``POST /reset``, ``POST /step``, ``GET /state``, ``GET /schema``, ``GET /metadata``,
   ``GET /health``, and OpenEnv's task API (``GET /list_environments``, ``/{env}/splits``,
-  ``POST /{env}/tasks``, ``/num_tasks``, ``/task``, ``/task_range``: ``add_task_routes``).
+  ``POST /{env}/tasks``, ``/num_tasks``, ``/task``, ``/task_range``: ``agent_gym.serve.tasks``).
   OpenEnv's own HTTP reset and step build a throwaway env per request, which cannot hold a
   multi-turn episode; here ``/reset`` opens a session whose id comes back as
   ``observation.session_id`` and is passed to ``/step`` and ``/state`` (an extra request
@@ -29,7 +29,8 @@ in an observation: clients such as verifiers' OpenEnv env show the model the who
 A critic or oracle asks for the current episode's with the critic token the server was
 started with (``--critic-token-env``): a ``{"type": "privileged", "data": {"critic_token":
 ...}}`` frame on the session's WebSocket, or ``POST /privileged`` with ``session_id`` and
-``critic_token``. Without a critic token the server gives it to no one.
+``critic_token``. Without a critic token the server gives it to no one (both tokens are
+checked in ``agent_gym.serve.auth``).
 
 Trust: the server builds every env from its own ``env_id`` and ``--env-arg`` settings. A
 client's state is only a list of actions to replay: one saved from an env with other
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import ipaddress
 import logging
 import sys
@@ -58,30 +58,28 @@ from agent_gym.extras import install_hint
 try:
     from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
     from fastapi.responses import Response
-    from starlette.types import ASGIApp, Receive, Scope, Send
 except ImportError as err:  # the server's stack is an optional extra
     raise ImportError(f"agent-gym serve needs FastAPI: {install_hint('serve')}") from err
 
 import agent_gym  # noqa: F401  (importing it registers the envs)
-from agent_gym import untrusted
 from agent_gym.serve import mcp
+from agent_gym.serve.auth import RequireToken, check_critic
+from agent_gym.serve.replies import JSONText, error_frame, error_reply, parsed, read_body
 from agent_gym.serve.sessions import (
     ServerConfig,
     Session,
     SessionPool,
-    TaskList,
     prepare_process,
 )
+from agent_gym.serve.tasks import add_task_routes
 from agent_gym.serve.wire import (
     ACTION_SCHEMA,
     EXECUTION_ERROR,
-    INVALID_JSON,
     OBSERVATION_SCHEMA,
     PRIVILEGED,
     REQUEST_TOO_LARGE,
     SESSION_ERROR,
     STATE_SCHEMA,
-    UNAUTHORIZED,
     UNKNOWN_TYPE,
     VALIDATION_ERROR,
     ProtocolError,
@@ -96,18 +94,6 @@ log = logging.getLogger(__name__)
 # 5 ms by default, several times per reply (a /health took 17 ms instead of 2 while one
 # client's step computed). A server process hands the GIL over ten times sooner.
 GIL_SWITCH_INTERVAL_S = 0.0005
-# Bodies and frames up to this size are parsed on the event loop (well under a millisecond);
-# larger ones in a worker thread: checking a 4 MiB one takes about 60 ms.
-INLINE_PARSE_BYTES = 64 << 10
-
-
-class JSONText(Response):
-    """A JSON response written by ``dumps`` (Starlette's own rejects numpy values)."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
 
 
 def env_description(env_id: str) -> str:
@@ -148,45 +134,6 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-# --------------------------------------------------------------------- authentication
-OPEN_PATHS = frozenset({"/health"})  # for load balancers and orchestrators' probes
-
-
-class RequireToken:
-    """ASGI middleware: every request but ``OPEN_PATHS`` carries ``Authorization: Bearer
-    <token>``, or is refused before any route sees it.
-
-    At the app's edge rather than in each route, so nothing is left open by being added
-    later or by coming from FastAPI itself (the docs and the OpenAPI schema). The header is
-    compared as bytes: a client's non-ASCII token is a wrong token, not an error."""
-
-    def __init__(self, app: ASGIApp, token: str) -> None:
-        self.app = app
-        self.token = token.encode("utf-8")
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in OPEN_PATHS or \
-                self.authorized(scope["headers"]):
-            await self.app(scope, receive, send)
-            return
-        refusal = ProtocolError(UNAUTHORIZED, "missing or wrong bearer token", status=401)
-        if scope["type"] == "http":
-            reply = JSONText({"detail": refusal.payload()}, status_code=refusal.status,
-                             headers={"www-authenticate": "Bearer"})
-            await reply(scope, receive, send)
-            return
-        # A WebSocket client is told why as OpenEnv's clients read it: an error frame.
-        if (await receive())["type"] == "websocket.connect":
-            await send({"type": "websocket.accept"})
-            await send({"type": "websocket.send", "text": error_frame(refusal)})
-            await send({"type": "websocket.close", "code": 1008})
-
-    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        value = next((value for name, value in headers if name == b"authorization"), b"")
-        scheme, _, given = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token)
-
-
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is reachable from this machine only (a name other than localhost
     may resolve to anything, so it is not)."""
@@ -196,21 +143,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def check_critic(config: ServerConfig, data: Any) -> None:
-    """Refuse a ``privileged`` request unless its ``critic_token`` is the server's.
-
-    The token travels in the request rather than in a header so that any client of the
-    protocol can send it, OpenEnv's included, whose WebSocket has no headers to set."""
-    if config.critic_token is None:
-        raise ProtocolError(UNAUTHORIZED, "this server gives privileged info to no one: start "
-                            "it with --critic-token-env VAR to serve critics", status=403)
-    given = data.get("critic_token") if isinstance(data, Mapping) else None
-    if not isinstance(given, str) or not hmac.compare_digest(
-            given.encode("utf-8", errors="surrogatepass"), config.critic_token.encode("utf-8")):
-        raise ProtocolError(UNAUTHORIZED, "a privileged request needs the server's critic "
-                            "token in 'critic_token' (missing or wrong)", status=403)
 
 
 class ExposureError(ValueError):
@@ -231,7 +163,7 @@ def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
             payload = await parsed(pool, body) if body.strip() else {}
             return JSONText(await handler(payload))
         except ProtocolError as exc:
-            return JSONText({"detail": exc.payload()}, status_code=exc.status)
+            return error_reply(exc)
         except Exception as exc:  # an env bug must not take the server down
             log.exception("request failed")
             return JSONText({"detail": {"message": f"{type(exc).__name__}: {exc}",
@@ -326,39 +258,6 @@ def add_http_routes(app: FastAPI, pool: SessionPool) -> None:
                 "state": STATE_SCHEMA}
 
 
-async def parsed(pool: SessionPool, text: str | bytes) -> Any:
-    """``parse(text)``, in a worker thread when ``text`` is large: on the event loop it
-    would hold up every other client's replies."""
-    if len(text) <= INLINE_PARSE_BYTES:
-        return parse(text)
-    return await pool.run(parse, text)
-
-
-def parse(text: str | bytes) -> Any:
-    """A request body or frame as JSON, refused (INVALID_JSON) when it is not JSON, is not
-    UTF-8, is nested too deep for any request of this protocol, or holds NaN/Infinity."""
-    try:
-        return untrusted.loads(text)
-    except untrusted.UntrustedJSONError as exc:
-        raise ProtocolError(INVALID_JSON, f"Invalid JSON: the request {exc}") from exc
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused past ``limit`` bytes without reading the rest."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(REQUEST_TOO_LARGE, f"the request body is {declared} bytes; the "
-                            f"server's limit is {limit}", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(REQUEST_TOO_LARGE, f"the request body exceeds the server's "
-                                f"limit of {limit} bytes", status=413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 # --------------------------------------------------------------------- MCP
 def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
     """MCP's JSON-RPC (``agent_gym.serve.mcp``) on ``POST /mcp``, where a call names its
@@ -371,7 +270,7 @@ def add_mcp_route(app: FastAPI, pool: SessionPool) -> None:
         try:
             body = await read_body(request, config.max_request_bytes)
         except ProtocolError as exc:
-            return JSONText({"detail": exc.payload()}, status_code=exc.status)
+            return error_reply(exc)
         reply = await mcp_answer(pool, body or b"{}", None)
         # A notification gets no response: MCP's HTTP transport acknowledges it with 202.
         return Response(status_code=202) if reply is None else JSONText(reply)
@@ -413,84 +312,6 @@ async def mcp_answer(pool: SessionPool, text: str | bytes, session: Session | No
     except ProtocolError as exc:
         return mcp.rpc_error(None, mcp.PARSE_ERROR, f"Parse error: {exc}")
     return await mcp.rpc_reply(pool, request, session)
-
-
-# --------------------------------------------------------------------- task API
-def add_task_routes(app: FastAPI, pool: SessionPool) -> None:
-    """OpenEnv's task API (``HTTPEnvServer``'s routes for an env with ``list_splits`` and
-    friends): the server's one split, its tasks as ``{"id", "index"}`` (never a task's
-    payload, which holds its answer), and ``reset`` by ``split`` and ``index``. The env is
-    named by its id's last part (``Search-v0``), as a URL path segment cannot hold '/'."""
-    name = task_env_name(pool.config.env_id)
-
-    async def task_request(env_name: str, request: Request | None
-                           ) -> tuple[TaskList, dict[str, Any]]:
-        """The served tasks (``TaskList`` checks the split and bounds a request names) and
-        the request's body, after checking the env's name and that the body is an object."""
-        if env_name.lower() != name.lower():
-            raise ProtocolError(VALIDATION_ERROR, f"unknown environment {env_name!r}; this "
-                                f"server serves {name!r}", status=404)
-        tasks = (await pool.catalogue()).tasks
-        if request is None:
-            return tasks, {}
-        body = await parsed(pool, await read_body(request, pool.config.max_request_bytes)
-                            or b"{}")
-        if not isinstance(body, dict):
-            raise ProtocolError(VALIDATION_ERROR, "the request body must be a JSON object")
-        return tasks, body
-
-    async def answered(handler: Callable[[], Awaitable[Any]]) -> JSONText:
-        try:
-            return JSONText(await handler())
-        except ProtocolError as exc:
-            return JSONText({"detail": exc.payload()}, status_code=exc.status)
-
-    @app.get("/list_environments", tags=["Task API"])
-    async def list_environments() -> JSONText:
-        return JSONText([name])
-
-    @app.get("/{env_name}/splits", tags=["Task API"])
-    async def list_splits(env_name: str) -> JSONText:
-        async def handle() -> Any:
-            tasks, _ = await task_request(env_name, None)
-            kind = tasks.split if tasks.split in ("train", "validation", "test") else \
-                "validation"
-            return [{"name": tasks.split, "type": kind}]
-        return await answered(handle)
-
-    @app.post("/{env_name}/tasks", tags=["Task API"])
-    async def list_tasks(env_name: str, request: Request) -> JSONText:
-        async def handle() -> Any:
-            tasks, body = await task_request(env_name, request)
-            return {"tasks": tasks.tasks(body.get("split")), "env_name": name}
-        return await answered(handle)
-
-    @app.post("/{env_name}/num_tasks", tags=["Task API"])
-    async def num_tasks(env_name: str, request: Request) -> JSONText:
-        async def handle() -> Any:
-            tasks, body = await task_request(env_name, request)
-            return {"num_tasks": len(tasks.ids(body.get("split")))}
-        return await answered(handle)
-
-    @app.post("/{env_name}/task", tags=["Task API"])
-    async def get_task(env_name: str, request: Request) -> JSONText:
-        async def handle() -> Any:
-            tasks, body = await task_request(env_name, request)
-            return {"task": tasks.task(body.get("split"), body.get("index"))}
-        return await answered(handle)
-
-    @app.post("/{env_name}/task_range", tags=["Task API"])
-    async def get_task_range(env_name: str, request: Request) -> JSONText:
-        async def handle() -> Any:
-            tasks, body = await task_request(env_name, request)
-            return {"tasks": tasks.tasks(body.get("split"), body.get("start"),
-                                         body.get("stop"))}
-        return await answered(handle)
-
-
-def task_env_name(env_id: str) -> str:
-    """The name the task API knows an env by: its id without the namespace."""
-    return env_id.rsplit("/", 1)[-1]
 
 
 # --------------------------------------------------------------------- WebSocket
@@ -616,10 +437,6 @@ async def serve_frames(
 
 async def send_error(websocket: WebSocket, error: ProtocolError) -> None:
     await websocket.send_text(error_frame(error))
-
-
-def error_frame(error: ProtocolError) -> str:
-    return dumps({"type": "error", "data": error.payload()})
 
 
 def serve(

@@ -38,6 +38,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from agent_gym.paths import cache_root
 from agent_gym_train.backends.chat_template import TOOL_CHAT_TEMPLATE, TOOL_RESPONSE_TEMPLATE
 
 DEFAULT_MODEL = "smollm2"
@@ -61,9 +62,7 @@ class ModelSpecError(ValueError):
 
 def cache_dir() -> Path:
     """The writable cache root: ``$AGENT_GYM_CACHE`` or ``~/.cache/agent_gym``, as
-    ``agent_gym.search.cache_root`` decides it for every cache of agent_gym."""
-    from agent_gym.search import cache_root  # here: loading a model needs no search backend
-
+    ``agent_gym.paths.cache_root`` decides it for every cache of agent_gym."""
     return cache_root()
 
 

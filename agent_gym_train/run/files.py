@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agent_gym.durable import append_lines, open_append, open_regular, read_jsonl, replace_file
+
 CHECKPOINT_FILE = "checkpoint.json"
 METRICS_FILE = "metrics.jsonl"
 
@@ -53,24 +55,32 @@ class Checkpoint:
 
 
 def write_text(path: Path, text: str) -> None:
-    staging = path.with_name(path.name + ".tmp")
-    staging.write_text(text, encoding="utf-8")
-    os.replace(staging, path)  # atomic: a kill never leaves half a file
+    """``path`` replaced whole (``agent_gym.durable.replace_file``): a kill never leaves half
+    a file, and a checkpoint record is on disk once this returns."""
+    replace_file(path, text)
 
 
 def append_metrics(path: Path, row: Metrics) -> None:
     """One line per step, on disk before the checkpoint that counts the step as done: a run
     killed between the two redoes the step instead of losing its line."""
-    with path.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(row) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    fd = open_append(path)
+    try:
+        append_lines(fd, (json.dumps(row) + "\n").encode("utf-8"))
+    finally:
+        os.close(fd)
 
 
 def read_metrics(path: Path) -> list[Metrics]:
-    """The metrics lines of a run, in order."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    """The metrics lines of a run, in order; a line that does not read is a
+    ``RunConfigError`` naming it."""
+    with open_regular(path) as handle:
+        rows = []
+        for line in read_jsonl(handle):
+            if line.problem is not None or not isinstance(line.value, dict):
+                raise RunConfigError(f"{path}: line {line.number} "
+                                     f"{line.problem or 'is not a JSON object'}")
+            rows.append(line.value)
+    return rows
 
 
 def keep_metrics_before(path: Path, step: int) -> list[Metrics]:

@@ -11,19 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from agent_gym.eval import runlog
+from agent_gym.eval import runfiles
 from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.policies import OraclePolicy, PolicyInput, Reply
 from agent_gym.eval.report import render_report
 from agent_gym.eval.run import evaluate
-from agent_gym.eval.runlog import (
-    QUARANTINE_FILE,
-    RunDirError,
-    RunLockedError,
-    RunLog,
-    read_log,
-    write_atomically,
-)
+from agent_gym.eval.runfiles import QUARANTINE_FILE, RunDirError, read_log
+from agent_gym.eval.runlog import RunLockedError, RunLog, write_file
 from agent_gym.eval.runs import read_run
 from agent_gym.eval.summary import overall_summary
 from tests.helpers.eval_runs import GSM8K, make_run, run_held_by_another_process
@@ -137,11 +131,11 @@ def test_a_line_longer_than_the_bound_is_skipped_unread(
 ) -> None:
     log = tmp_path / "episodes.jsonl"
     log.write_bytes(b'{"episode": 0}\n' + b"x" * 5000 + b"\n" + b'{"episode": 1}\n')
-    monkeypatch.setattr(runlog, "MAX_LINE_BYTES", 1000)
-    read = read_log(log, {"episode": (runlog.count(10), True)})
+    monkeypatch.setattr(runfiles, "MAX_LINE_BYTES", 1000)
+    read = read_log(log, {"episode": (runfiles.count(10), True)})
     assert [record["episode"] for _, record in read.records] == [0, 1]
-    assert [(bad.line, bad.start, bad.end) for bad in read.unreadable] == [(2, 15, 5016)]
-    assert "longer than 1,000 bytes" in read.unreadable[0].reason
+    assert [(bad.number, bad.start, bad.end) for bad in read.unreadable] == [(2, 15, 5016)]
+    assert "longer than 1,000 bytes" in read.unreadable[0].problem
 
 
 def test_a_turn_count_of_a_hundred_thousand_is_ten_bars_not_a_hundred_thousand(
@@ -212,17 +206,17 @@ def test_two_writes_of_one_file_never_take_each_others_temporary_file(
     or a resume racing a kill did): with one fixed temporary name the second renamed the
     first's file away and the first crashed."""
     target = tmp_path / "config.json"
-    real_fsync = runlog.os.fsync
+    real_fsync = os.fsync
     calls = []
 
     def fsync_with_a_writer_in_between(fd: int) -> None:
         calls.append(fd)
         if len(calls) == 1:
-            write_atomically(target, "second")
+            write_file(target, "second")
         real_fsync(fd)
 
-    monkeypatch.setattr(runlog.os, "fsync", fsync_with_a_writer_in_between)
-    write_atomically(target, "first")
+    monkeypatch.setattr(os, "fsync", fsync_with_a_writer_in_between)
+    write_file(target, "first")
     assert target.read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary left
 
@@ -278,9 +272,9 @@ def test_a_run_file_that_is_not_a_regular_file_is_refused_at_once(
         os.mkfifo(log)
     else:
         log.symlink_to("/dev/zero")
-    with pytest.raises(runlog.RunDirError, match="not a regular file"):
+    with pytest.raises(RunDirError, match="not a regular file"):
         read_run(run)
     (run / "config.json").unlink()
     (run / "config.json").symlink_to("/dev/zero")
-    with pytest.raises(runlog.RunDirError, match="not a regular file"):
-        runlog.read_config(run / "config.json")
+    with pytest.raises(RunDirError, match="not a regular file"):
+        runfiles.read_config(run / "config.json")

@@ -85,7 +85,7 @@ def test_a_slow_step_runs_off_the_event_loop_so_health_answers_meanwhile() -> No
 def test_a_large_request_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """Checking a body of megabytes (a long state to restore) takes tens of milliseconds,
     which on the event loop would hold up every other client."""
-    from agent_gym.serve import app as served
+    from agent_gym.serve import replies as served
 
     real_parse, parsed_where = served.parse, {}
 
