@@ -69,7 +69,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import RESULTS, Result, figures_in  # noqa: E402
+from harness import RESULTS, Result, figures_in, timed  # noqa: E402
 
 from agent_gym.eval.stats import bootstrap_interval, wilson_interval  # noqa: E402
 from agent_gym_train import grpo, sft  # noqa: E402
@@ -530,12 +530,8 @@ def main() -> int:
     work = Path(options.work)
     out = Path(options.out)
     for name in [n for n in SECTIONS if n in (options.only or DEFAULT_SECTIONS)]:
-        uptime_start, started = os.getloadavg(), time.perf_counter()
-        section = SECTIONS[name](options, work)
-        section |= {"bench_command": " ".join(["python", *sys.argv]),
-                    "total_seconds": round(time.perf_counter() - started, 1),
-                    "load_average_start": [round(x, 2) for x in uptime_start],
-                    "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+        section = timed(lambda name=name: SECTIONS[name](options, work))
+        section["bench_command"] = " ".join(["python", *sys.argv])
         # Read just before writing: the other sections' figures stay as they were measured.
         # Each section keeps its own command, seconds and load (sections come from different
         # runs); the file's command, commit, load and seconds are the last run's.

@@ -1,19 +1,13 @@
 """The local backend at the machine's limits, each figure beside a baseline from the same run.
 
-- rollouts: sampled tokens/s of ``agent_gym_train.run.rollout.rollout_groups`` on ALFWorld-v0 (text
-  protocol) and Search-v0, 4 tasks x 8 branches x up to 6 turns, with the batching sampler
-  (continuous batch + prefix cache) against (a) today's path, reimplemented here as it was
-  before the engine (``SerialSampler``: one call at a time behind a lock, every call prefills
-  its whole prompt, a call's rows decode until its slowest row stops) and (b) the one-row
-  baseline: Hugging Face ``generate`` on one row. Three rates each: per wall second of the
-  rollout (env work included), per second the sampler was busy, and per CPU second of the
-  sampling thread; the last barely moves with other processes' load, which on a shared
-  machine changes between the phases of one run. All three run on the same model object,
-  whose linear weights the sampler stores transposed (``sampler.lay_out_for_decoding``),
-  so the baselines get that speed-up too and the ratios are the engine's alone. The
-  batched run also gives its time split (prefill, decode, env) and the rate decoding
-  alone reached, and ``decode_step_cost`` what one decode step costs at 1-32 rows and
-  400/1000 positions: together they show what bounds the ratio.
+- rollouts: sampled tokens/s of ``agent_gym_train.run.rollout.rollout_groups`` on ALFWorld-v0
+  (text protocol) and Search-v0, 4 tasks x 8 branches x up to 6 turns, with the batching
+  sampler against (a) the path before it (``SerialSampler``: one call at a time, every call
+  prefills its whole prompt, a call's rows decode until its slowest stops) and (b) one-row
+  Hugging Face ``generate``, all on the same model object (so the ratios are the engine's
+  alone); per wall second, per busy second and per CPU second of the sampling thread (the
+  last barely moves with other processes' load). The batched run also gives its time split
+  and ``decode_step_cost`` at 1-32 rows and 400/1000 positions: what bounds the ratio.
 - prefill: prompt tokens run through the model per turn over a 10-turn ALFWorld episode,
   with the prefix cache and without it (same seeds, hence the same episode).
 - scoring: TEMPO's median readout (``Critic.median``: five replies of a few tokens scored
@@ -21,13 +15,10 @@
   ``compute_logprobs``'s prefix cache and without it: seconds and positions run.
 - tempo: whole TEMPO updates (one warm-up, two TD; Search-v0, base model, median readout)
   with that cache and without it: the seconds of each update, and the TD updates' ratio.
-- learner: ``forward_backward`` on 8 datums of 300 tokens, the first 40% of positions masked,
-  time and peak memory (RSS high-water mark above the pre-call RSS, each variant in a fresh
-  process) of the new pass, without and with ``activation_checkpointing``, against the
-  full-logits pass (the learner before position skipping, reimplemented here: whole datums
-  in the same microbatches, logits everywhere), on unrelated datums, on one GRPO group's
-  datums (one shared prompt) and on 8 TEMPO-like branches resumed from one 500-token state
-  (180-token replies).
+- learner: ``forward_backward`` on 8 datums of 300 tokens (40% masked): time and peak
+  memory (each variant in a fresh process) of the pass, without and with
+  ``activation_checkpointing``, against the full-logits pass (logits everywhere), on
+  unrelated datums, one GRPO group's and 8 TEMPO-like branches of one 500-token state.
 - grpo: one GRPO step on GSM8K-v0 at the CPU defaults (``runtime.CPU_DEFAULTS``), with its
   phase split, and the step-cost estimate for it and for the GPU-scale defaults.
 
@@ -54,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import RESULTS, Result, figures_in
+from harness import RESULTS, Result, figures_in, timed
 from pytrio import Datum, ModelInput, SamplingParams
 from pytrio.client.training_batch import plan_training_batch
 from pytrio.types import SampleResponse, SampleSequence
@@ -78,10 +69,6 @@ ENVS = {
     "ALFWorld-v0": ("agent_gym/ALFWorld-v0", {"protocol": "text"}),
     "Search-v0": ("agent_gym/Search-v0", {}),
 }
-
-
-def load() -> float:
-    return os.getloadavg()[0]
 
 
 # --------------------------------------------------------------------------- today's path
@@ -176,7 +163,7 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
         opening = borrowed[0].reset(options={"index": 0})[1]
         prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
         row: dict[str, Any] = {"env_kwargs": kwargs, "opening_prompt_tokens": len(prompt),
-                               "load_before": load()}
+                               "load_before": os.getloadavg()[0]}
         one_row, one_row_cpu = one_row_generate(base, prompt, 32)
         row["one_row_generate_tok_s"] = round(one_row, 2)
         row["one_row_generate_tok_per_cpu_s"] = round(one_row_cpu, 2)
@@ -199,7 +186,6 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
                 "turns_mean": round(sum(e.turns for e in episodes) / len(episodes), 2),
                 "end_reasons": dict(Counter(e.end_reason for e in episodes)),
                 "tok_s": round(sampled / elapsed, 2),
-                "load_after": load(),
             }
             timing = sampler.stats if isinstance(sampler, LocalSamplingClient) else sampler
             busy, cpu = timing.busy_seconds, timing.busy_cpu_seconds
@@ -243,9 +229,8 @@ def bench_rollouts(service: LocalServiceClient, max_tokens: int) -> dict[str, An
         row["cpu_batched_vs_today"] = round(
             row["batched"]["tok_per_sampler_cpu_s"] / row["today"]["tok_per_sampler_cpu_s"], 2
         )
-        row["cpu_batched_vs_one_row"] = round(
-            row["batched"]["tok_per_sampler_cpu_s"] / one_row_cpu, 2
-        )
+        row["cpu_batched_vs_one_row"] = round(row["batched"]["tok_per_sampler_cpu_s"]
+                                              / one_row_cpu, 2)
         pool.close()
         results[name] = row
     results["decode_step_cost"] = bench_decode_steps(service)
@@ -379,9 +364,7 @@ def bench_tempo(updates: int = 3) -> dict[str, Any]:
 
     settings = {"env_id": "agent_gym/Search-v0", "env_kwargs": {"split": "train", "max_turns": 4},
                 "warmup_updates": 1, "td_updates": updates - 1, "batch_size": 2, "branches": 4,
-                "critic_samples": 2, "endpoint_samples": 1, "horizon": 2,
-                "fresh_fraction": 0.5, "critic_loss": "cross_entropy",
-                "critic_temperature": 0.0, "critic_readout": "median", "max_tokens": 48,
+                "horizon": 2, "fresh_fraction": 0.5, "max_tokens": 48,
                 "max_trajectory_tokens": 4096, "save_every": 1000}
     out: dict[str, Any] = {"model": "smollm2 (base)", "settings": settings}
     for label, scoring_bytes in (("with_cache", None), ("without_cache", 0)):
@@ -398,7 +381,6 @@ def bench_tempo(updates: int = 3) -> dict[str, Any]:
         }
     out["td_ratio_without_vs_with"] = round(
         out["without_cache"]["td_seconds"] / out["with_cache"]["td_seconds"], 2)
-    out["load_after"] = load()
     return out
 
 
@@ -508,7 +490,7 @@ def learner_variant(variant: str, case: str) -> dict[str, Any]:
     return {"seconds": round(elapsed, 2), "cpu_seconds": round(cpu, 2),
             "peak_mb": round((peak - before) / 1024, 1),
             "loss_mean": metrics["loss_mean"], "token_count": metrics["token_count"],
-            "grad_norm": grad_norm, "load": load()}
+            "grad_norm": grad_norm, "load": os.getloadavg()[0]}
 
 
 def bench_learner(repeats: int) -> dict[str, Any]:
@@ -573,7 +555,6 @@ def bench_grpo() -> dict[str, Any]:
         "reward_mean": row["reward_mean"], "degenerate_groups": row["degenerate_groups"],
         "estimated_step_seconds": round(step_cost(shape), 1),
         "estimated_gpu_scale_step_seconds (8x8x512)": round(step_cost(gpu_scale), 1),
-        "load_after": load(),
     }
 
 
@@ -604,20 +585,12 @@ def main(argv: list[str] | None = None) -> int:
             "grpo": bench_grpo,
         }
         out_path = Path(args.out)
-        # the sections not run this time keep their figures; python and cpus are the
-        # harness's (under "machine") now
-        record.figures = {key: value for key, value in figures_in(out_path).items()
-                          if key not in ("python", "cpus")}
+        record.figures = figures_in(out_path)  # the sections not run this time keep theirs
         result = record.figures
         result |= {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                    "model": "SmolLM2-135M-Instruct (float32, LoRA r32 for the learner)"}
         for name in args.sections.split(","):
-            uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-            start = time.perf_counter()
-            figures = sections[name]()
-            figures |= {"uptime_at_start": uptime,
-                        "section_seconds": round(time.perf_counter() - start, 1)}
-            result[name] = figures
+            result[name] = figures = timed(sections[name])
             record.write(out_path)  # after every section
             print(json.dumps({name: figures}, indent=1))
     return 0

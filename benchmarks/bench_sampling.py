@@ -29,6 +29,7 @@ bf16 units):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_local_backend import bench_decode_steps, gymnasium_opening, load, one_row_generate
+from bench_local_backend import bench_decode_steps, gymnasium_opening, one_row_generate
 from harness import RESULTS, Result
 
 from agent_gym.render import ChatRenderer
@@ -156,7 +157,7 @@ def bench_grpo_step(precision: str) -> dict[str, Any]:
             "env_and_other_seconds": round(rollout - stats.busy_seconds, 1),
             "decode_only_vs_one_row": round(row["sampled_tokens"] / decode / one_row, 2),
         },
-        "load_after": load(),
+        "load_after": os.getloadavg()[0],
     }
 
 

@@ -15,6 +15,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,16 @@ def _commit() -> str | None:
         return None
     changed = _git("status", "--porcelain", "--untracked-files=no")
     return f"{head}+changes" if changed else head
+
+
+def timed(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A section's figures with its own seconds and the load average around it: the
+    sections of one result file may come from runs on differently busy days."""
+    load_start, started = os.getloadavg(), time.perf_counter()
+    figures = measure()
+    return figures | {"section_seconds": round(time.perf_counter() - started, 1),
+                      "load_average_start": [round(x, 2) for x in load_start],
+                      "load_average_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def figures_in(path: str | Path) -> dict[str, Any]:
