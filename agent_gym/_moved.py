@@ -95,6 +95,15 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(new)
 
 
+def register(modules: dict[str, str], names: dict[str, dict[str, str]]) -> None:
+    """Old paths of a package built on agent_gym (the trainers), kept for the same release:
+    the package knows its own history, this module only answers for it."""
+    MOVED.update(modules)
+    for package, moved in names.items():
+        MOVED_NAMES.setdefault(package, {}).update(moved)
+    install()
+
+
 def install() -> None:
     if not any(isinstance(finder, _Alias) for finder in sys.meta_path):
         sys.meta_path.append(_Alias())
