@@ -66,8 +66,8 @@ class Limits:
     per call as well (a persistent worker gets that much more CPU time for every cell).
     ``memory_bytes`` is ``RLIMIT_AS`` per process (one that asks for more gets a
     ``MemoryError``) and, with a small allowance, the bound on all of a sandbox's processes
-    together: a cgroup's limit or the watcher's (``memory.held_limit``; the cgroup also
-    counts the ``/tmp`` and ``/dev/shm`` files). ``processes`` caps their number.
+    together, with their ``/tmp`` and ``/dev/shm`` files and memfd files: a cgroup's limit or
+    the watcher's (``memory.sandbox_limit``). ``processes`` caps their number.
     (A fork-server child gets ``memory_bytes`` on top of the warm interpreter's own
     mappings, which it shares. A persistent worker keeps 1 MB of it unused, given back
     when a cell runs out of memory, so that the error is reported and the next cell can

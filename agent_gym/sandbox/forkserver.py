@@ -55,7 +55,7 @@ from agent_gym.sandbox.config import (
     encode_code,
 )
 from agent_gym.sandbox.launch import Launcher
-from agent_gym.sandbox.memory import Bound, Cgroup, Watch, cgroup_limit
+from agent_gym.sandbox.memory import Bound, Cgroup, Watch, sandbox_limit
 from agent_gym.sandbox.process import WorkerProcess, output_file, reaper
 from agent_gym.sandbox.result import ExecResult, Status, collect
 
@@ -304,7 +304,7 @@ class ForkServer:
             return self.launcher.memory.bound(limits, server.warm)
         with self._lock:
             cgroup = self._cgroups[server.kind].pop() if self._cgroups[server.kind] else None
-        if cgroup is not None and cgroup.limit == cgroup_limit(limits, server.warm):
+        if cgroup is not None and cgroup.limit == sandbox_limit(limits, server.warm):
             return cgroup
         if cgroup is not None:
             cgroup.close()

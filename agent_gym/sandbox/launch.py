@@ -3,13 +3,14 @@
 Isolation is bubblewrap, started **as uid 65534** when the host process is root: bwrap run
 by root with ``--uid 65534`` maps the sandbox back to real uid 0 (it could read
 ``/etc/shadow`` and ignored ``RLIMIT_NPROC``). The sandbox gets no network, no host
-environment, a read-only ``/usr`` and interpreter, a read-only root, a private size-capped
-``/tmp`` and a fresh ``/proc``; the worker program (``_worker.py``) applies the rlimits to
-itself before it reads any model code. Output goes to capped in-memory files. When the host
-is root, every sandbox is forked into a "nursery" pid namespace that dies with this process
-(``process.enter_nursery``); waiting and killing are in ``process`` too. Each sandbox's
-memory is bounded as a whole as well, all its processes together (``memory``): it joins its
-cgroup before bwrap is executed, or the watcher starts watching it.
+environment, a read-only ``/usr`` and interpreter (where installed, this project's own files
+are covered: they hold every task's answer, ``_project_files``), a read-only root, a private
+size-capped ``/tmp`` and a fresh ``/proc``; the worker program (``_worker.py``) applies the
+rlimits to itself before it reads any model code. Output goes to capped in-memory files.
+When the host is root, every sandbox is forked into a "nursery" pid namespace that dies with
+this process (``process.enter_nursery``); waiting and killing are in ``process`` too. Each
+sandbox's memory is bounded as a whole as well, all its processes together (``memory``): it
+joins its cgroup before bwrap is executed, or the watcher starts watching it.
 
 ``spawn(forkserver=True)`` starts the fork-server program in a variant of that sandbox
 (see ``_FORKSERVER_FLAGS`` and ``forkserver``).
@@ -23,6 +24,9 @@ contained; it warns and reports itself as ``"rlimits"``.
 from __future__ import annotations
 
 import ctypes
+import functools
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import shutil
@@ -114,6 +118,42 @@ def _runtime_dirs(python: str) -> list[str]:
         if not inside_usr and not any(d == k or d.startswith(k + "/") for k in kept):
             kept.append(d)
     return kept
+
+
+# The project's own import packages: a cell needs none of them, and they hold every task's
+# answer (``agent_gym/datasets``) and the generators of the rest (``envs/math_large.py``).
+_PROJECT_PACKAGES = ("agent_gym", "agent_gym_train")
+
+
+@functools.cache
+def _project_files() -> tuple[str, ...]:
+    """Every path of this project that this interpreter can see, to be hidden in the sandbox.
+
+    The sandbox binds the interpreter's prefix (its site-packages) and ``/usr`` read-only,
+    and a wheel, a venv or a container install puts the project there, answers included.
+    Hidden are the packages wherever they are imported from and all the distribution
+    installed (its RECORD: the packages again, the dist-info, the console script, an
+    editable install's finder and ``.pth``), each under its own and its resolved path (a
+    bind of a symlinked prefix shows both). The worker is handed over as source
+    (``-c``), so nothing of the project has to stay visible.
+    """
+    found: set[str] = set()
+    for name in _PROJECT_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            found.update(spec.submodule_search_locations or [spec.origin or ""])
+    try:
+        dist = importlib.metadata.distribution("agent-gym")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        base = Path(str(dist.locate_file("")))
+        for file in dist.files or ():
+            top = file.parts[0]
+            whole = top in _PROJECT_PACKAGES or top.endswith(".dist-info")
+            found.add(str(base / top) if whole else str(dist.locate_file(file)))
+    paths = {os.path.abspath(p) for p in found if p}
+    return tuple(sorted(p for path in paths for p in {path, os.path.realpath(path)}))
 
 
 def _hidden_ancestor(path: str) -> str | None:
@@ -296,6 +336,7 @@ class Launcher:
         # After the tmpfs: an interpreter or venv that lives under /tmp stays visible.
         for path in self._runtime:
             argv += ["--ro-bind", path, path]
+        argv += self._hide_project()
         if not forkserver:
             argv += ["--remount-ro", "/dev"]
         argv += ["--remount-ro", "/", "--chdir", "/tmp"]
@@ -307,6 +348,22 @@ class Launcher:
             # page). The server unsets it before it forks, so no call sees it.
             argv += ["--setenv", "LD_BIND_NOW", "1"]
         return [*argv, "--"]
+
+    def _hide_project(self) -> list[str]:
+        """The bwrap arguments that cover each of ``_project_files`` the binds expose: an
+        empty read-only tmpfs over a directory, ``/dev/null`` over a file."""
+        bound = ["/usr", *self._runtime]
+        bound += [f"/{n}" for n in _ROOT_LINKS if not os.path.islink(f"/{n}")]
+        argv: list[str] = []
+        for path in _project_files():
+            if not any(path.startswith(root + "/") for root in bound):
+                continue
+            if os.path.isdir(path):
+                argv += ["--perms", "0555", "--size", "4096", "--tmpfs", path]
+                argv += ["--remount-ro", path]
+            elif os.path.exists(path):
+                argv += ["--ro-bind", "/dev/null", path]
+        return argv
 
     def spawn(
         self, *, single: bool, forkserver: bool = False, warm: Sequence[str] = ()

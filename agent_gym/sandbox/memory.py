@@ -4,23 +4,29 @@
 forks could hold ``processes`` times that much (a 128 MB limit held 732 MB). Every sandbox
 (on the fork-server, every call) is therefore bounded as a whole too, by the first of two
 mechanisms this host allows. It is chosen once per process and named by the sandboxes'
-``memory_bound`` attribute and a log line:
+``memory_bound`` attribute and a log line. Both count what the kernel charges a sandbox
+for, against one limit (``sandbox_limit``): its processes' pages, the files in its ``/tmp``
+and ``/dev/shm``, and shared memory it holds with no file name (``memfd_create``), whose
+pages are in no process's resident set; a watcher that counted only those sets let a cell
+hold 960 MB of memfd files under a 128 MB bound.
 
 ``cgroup-v1`` / ``cgroup-v2``
     A memory cgroup per sandbox, made under this process's own memory cgroup (so whatever
     bounds this process still bounds its sandboxes) and removed with it. The kernel enforces
     it as pages are allocated: at the limit it reclaims caches, then its OOM killer kills one
-    of the sandbox's processes (the largest). It charges the sandbox's files in ``/tmp`` and
-    ``/dev/shm`` too, so its limit is ``held_limit`` plus both of those (``cgroup_limit``).
+    of the sandbox's processes (the largest).
     Needs write access to this process's cgroup (root, or a delegated one) and, under
     cgroup v2, the memory controller enabled for that cgroup's children.
 
 ``watcher``
-    Elsewhere, one thread of this process sums the proportional set size (shared pages
-    split between their sharers) of each sandbox's processes every ``WATCH_INTERVAL`` and
-    kills the sandbox once the sum is over ``held_limit``. A sandbox can be over for up to
-    one interval before it dies; the files in its ``/tmp`` and ``/dev/shm`` are capped by
-    ``Limits.tmp_bytes`` instead.
+    Elsewhere, one thread of this process adds up what each sandbox holds every
+    ``WATCH_INTERVAL`` and kills the sandbox once the sum is over the limit (``_held``): the
+    proportional set sizes of its processes (shared pages split between their sharers), the
+    memfd files they hold open and the space used in its own ``/tmp`` and ``/dev/shm``
+    (each file once: a mapping of a file counted whole is left out of the sets). A sandbox
+    can be over for up to one interval before it dies. Not seen: a memfd a process keeps
+    only through a mapping smaller than the file (its fd closed), whose size only
+    ``/proc/PID/map_files`` tells, and that needs ``CAP_SYS_ADMIN``.
 
 A sandbox killed for its memory says so in its result (``Bound.exceeded``).
 """
@@ -28,6 +34,7 @@ A sandbox killed for its memory says so in its result (``Bound.exceeded``).
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import select
@@ -62,9 +69,9 @@ def held_limit(limits: Limits, warm: int = 0) -> int:
     return limits.memory_bytes + warm + limits.memory_bytes // 64 + _MACHINERY_BYTES
 
 
-def cgroup_limit(limits: Limits, warm: int = 0) -> int:
-    """A sandbox cgroup's limit: ``held_limit`` and its ``/tmp`` and ``/dev/shm``, which the
-    cgroup charges as well."""
+def sandbox_limit(limits: Limits, warm: int = 0) -> int:
+    """The bound on one sandbox, a cgroup's or the watcher's: ``held_limit`` and its ``/tmp``
+    and ``/dev/shm``, which both count as well."""
     return held_limit(limits, warm) + 2 * limits.tmp_bytes
 
 
@@ -395,15 +402,90 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as handle:
-            for line in handle:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) << 10
-    except (OSError, IndexError, ValueError):
-        pass
-    return 0
+Inode = tuple[int, int]  # (st_dev, st_ino)
+
+
+def _memfds(pids: list[int]) -> dict[Inode, int]:
+    """The memfd files the processes hold open, each once, with the bytes it holds."""
+    found: dict[Inode, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            path = f"/proc/{pid}/fd/{fd}"
+            try:
+                if os.readlink(path).startswith("/memfd:"):
+                    st = os.stat(path)
+                    found[st.st_dev, st.st_ino] = st.st_blocks * 512
+            except OSError:
+                continue  # closed meanwhile
+    return found
+
+
+@functools.cache
+def _host_tmpfs() -> frozenset[int]:
+    """The devices of this process's ``/tmp`` and ``/dev/shm``: a sandbox process that sees
+    them (bwrap's outer one, an ``rlimits`` worker) has none of its own there."""
+    found = set()
+    for path in ("/tmp", "/dev/shm"):
+        with suppress(OSError):
+            found.add(os.stat(path).st_dev)
+    return frozenset(found)
+
+
+def _tmpfs(pids: list[int]) -> dict[int, int]:
+    """The sandbox's own ``/tmp`` and ``/dev/shm`` by device, with the bytes used in each
+    (seen through each process's root: a fork-server call mounts its own)."""
+    found: dict[int, int] = {}
+    host = _host_tmpfs()
+    for pid in pids:
+        for name in ("tmp", "dev/shm"):
+            path = f"/proc/{pid}/root/{name}"
+            try:
+                device = os.stat(path).st_dev
+                if device not in host and device not in found:
+                    fs = os.statvfs(path)
+                    found[device] = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+            except OSError:
+                continue
+    return found
+
+
+def _pss(pid: int, files: dict[Inode, int], devices: dict[int, int]) -> int:
+    """The proportional set size of ``pid``, less its mappings of files counted whole (an
+    open memfd, a file in the sandbox's tmpfs). With none of those, the kernel's sum."""
+    if not files and not any(devices.values()):
+        with suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/smaps_rollup") as f:
+            return next((int(line.split()[1]) << 10 for line in f if line.startswith("Pss:")), 0)
+        return 0
+    total, counted = 0, False
+    with suppress(OSError, IndexError, ValueError), open(f"/proc/{pid}/smaps") as handle:
+        for line in handle:
+            first, _, rest = line.partition(" ")
+            if first == "Pss:":
+                total += 0 if counted else int(rest.split()[0]) << 10
+            elif not first.endswith(":"):  # a mapping's header: range perms offset dev inode
+                major, minor = rest.split()[2].split(":")
+                device = os.makedev(int(major, 16), int(minor, 16))
+                inode = int(rest.split()[3])
+                counted = (device, inode) in files or device in devices
+    return total
+
+
+def _held(pids: list[int], limit: int) -> int:
+    """What the processes hold together (see the module docstring), to the extent that it
+    decides whether they are over ``limit``: files are counted whole, then resident set
+    sizes (cheap counters, but a page several processes share counts once for each of
+    them); only when those add up to more, the proportional ones (a walk of every page
+    table)."""
+    files, devices = _memfds(pids), _tmpfs(pids)
+    whole = sum(files.values()) + sum(devices.values())
+    held = whole + sum(map(_rss, pids))
+    if held <= limit:
+        return held
+    return whole + sum(_pss(pid, files, devices) for pid in pids)
 
 
 class _Watcher:
@@ -437,13 +519,10 @@ class _Watcher:
             time.sleep(WATCH_INTERVAL)
 
     def check(self, watch: Watch) -> None:
-        """Kill a sandbox that holds more than its limit. The resident set sizes first
-        (cheap counters, but a page several processes share counts once for each of them);
-        only when those add up to more, the proportional ones (a walk of every page table)."""
+        """Kill a sandbox that holds more than its limit."""
         if not watch.alive():
             return
-        pids = _tree(watch.root)
-        if sum(map(_rss, pids)) > watch.limit and sum(map(_pss, pids)) > watch.limit:
+        if _held(_tree(watch.root), watch.limit) > watch.limit:
             self.remove(watch)
             watch.over()
 
@@ -471,7 +550,7 @@ def _cgroups() -> _Tree:
         if known is None:
             try:
                 tree = _Tree(*_own_memory_cgroup())
-                tree.create(cgroup_limit(Limits())).close()
+                tree.create(sandbox_limit(Limits())).close()
                 known = tree
             except OSError as err:
                 known = err
@@ -517,9 +596,9 @@ class SandboxMemory:
     def bound(self, limits: Limits, warm: int = 0) -> Bound:
         """A fresh bound for one sandbox: a cgroup ready to be joined, or a watch to start."""
         if self._tree is None:
-            return Watch(_the_watcher(), held_limit(limits, warm))
+            return Watch(_the_watcher(), sandbox_limit(limits, warm))
         try:
-            return self._tree.create(cgroup_limit(limits, warm))
+            return self._tree.create(sandbox_limit(limits, warm))
         except OSError as err:
             raise SandboxError(f"could not make the sandbox's memory cgroup: {err}") from err
 
@@ -528,11 +607,11 @@ class SandboxMemory:
         if self._tree is not None:
             return (
                 f"a memory cgroup per sandbox ({self.mechanism}) under {self._tree.own}: "
-                f"{cgroup_limit(limits) >> 20} MB for its processes and files together"
+                f"{sandbox_limit(limits) >> 20} MB for its processes and files together"
             )
         why = f" (no cgroup: {self.reason})" if self.reason else ""
         return (
-            f"the memory watcher{why}: a sandbox whose processes hold more than "
-            f"{held_limit(limits) >> 20} MB together is killed within "
+            f"the memory watcher{why}: a sandbox whose processes and files hold more than "
+            f"{sandbox_limit(limits) >> 20} MB together is killed within "
             f"{WATCH_INTERVAL * 1000:g} ms"
         )

@@ -30,7 +30,7 @@ CHILDREN, CHILD_BYTES = 6, 40 << 20
 LIMITS = Limits(timeout=10.0, cpu_seconds=5, memory_bytes=96 << 20, tmp_bytes=4 << 20)
 # The most any bound here allows: a cgroup's limit with a generous allowance for the warm
 # fork-server's pages. Six children of 40 MB (240 MB) are far over it.
-MOST = memory.cgroup_limit(LIMITS, warm=64 << 20)
+MOST = memory.sandbox_limit(LIMITS, warm=64 << 20)
 assert CHILDREN * CHILD_BYTES > MOST
 
 ENGINES = ["forkserver", "per-call", "stateful"]
@@ -221,3 +221,43 @@ def test_forged_lines_before_the_real_one_do_not_change_the_outcome() -> None:
         assert result.ok and result.stdout == "done\n", result.observation()
         ended = box.run("import os\nos._exit(0)")
         assert ended.status == "crashed" and ended.error == "exit code 0"
+
+
+# Memory no process maps: 60 memfd files of 16 MB, written and held open (960 MB), under a
+# bound of about 150 MB. No resident set holds these pages; the kernel charges them.
+MEMFDS = """
+import os, time
+fds = []
+for i in range(60):
+    fd = os.memfd_create(f"m{i}")
+    for _ in range(16):
+        os.write(fd, bytes(1 << 20))
+    fds.append(fd)
+print(len(fds) * 16, "MB held", flush=True)
+time.sleep(30)
+"""
+# 64 MB of memfd files, each mapped and touched with its fd still open: counted once, it
+# fits the bound; counted as a file and as resident pages, it would not.
+MAPPED_MEMFDS = """
+import mmap, os
+maps = []
+for i in range(4):
+    fd = os.memfd_create(f"m{i}")
+    os.write(fd, bytes(16 << 20))
+    maps.append(mmap.mmap(fd, 16 << 20))
+    maps[-1][::4096] = b"y" * 4096  # a byte in every page
+print(sum(len(m) for m in maps) >> 20, flush=True)
+"""
+MEMFD_LIMITS = Limits(timeout=40.0, cpu_seconds=20, memory_bytes=128 << 20, tmp_bytes=4 << 20,
+                      open_files=128)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_memfd_pages_count_against_the_bound(engine: str, bound: str) -> None:
+    with _open(engine, bound, MEMFD_LIMITS) as box:
+        held = box.run(MEMFDS)
+        shared = box.run(MAPPED_MEMFDS)
+    assert held.status == "crashed", held.observation()
+    assert "memory limit" in (held.error or ""), held.observation()
+    assert held.duration < 10, held.duration
+    assert shared.ok and shared.stdout == "64\n", shared.observation()
