@@ -37,8 +37,9 @@ Content = bytes | str | Callable[[BinaryIO], None]
 
 
 class NotRegularFileError(OSError):
-    """A file to read is a FIFO, a device or a directory: reading it could wait or run
-    forever, so it is refused before a byte is read."""
+    """A file to read or replace is a FIFO, a device or a directory: reading it could wait
+    or run forever, and replacing it would put a file where the node was, so it is refused
+    before a byte is read or written."""
 
 
 class AppendError(OSError):
@@ -61,7 +62,15 @@ def replace_file(path: Path, content: Content, *, mode: int | None = None) -> No
     so the rename survives a power cut too. A writer killed before the rename leaves its
     temporary (a dot file ending ``.tmp``) beside ``path``, which no reader of ``path``
     ever opens. ``mode`` sets the file's permissions (else they follow the umask).
+
+    A ``path`` that is there and is neither a regular file nor a symlink (a device, a FIFO,
+    a socket, a directory) is refused with ``NotRegularFileError`` before a byte is
+    written: the rename would have put a regular file where the node was (as root,
+    ``--out /dev/null`` left a file there that every other program then wrote into), and
+    writing through instead keeps none of the promises above (a FIFO without a reader
+    waits forever, ``/dev/full`` fails). A symlink is itself replaced, never its target.
     """
+    refuse_special(path)
     temporary = None
     try:
         while temporary is None:
@@ -89,6 +98,18 @@ def replace_file(path: Path, content: Content, *, mode: int | None = None) -> No
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
+
+
+def refuse_special(path: Path) -> None:
+    """``NotRegularFileError`` when ``path`` exists and is neither a regular file nor a
+    symlink: what ``replace_file`` will not rename over (see there)."""
+    try:
+        kind = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(kind) or stat.S_ISLNK(kind)):
+        raise NotRegularFileError(f"{path} is not a regular file (a device, FIFO, socket or "
+                                  "directory); give the path of a file to write")
 
 
 def sync_directory(directory: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from agent_gym.durable import (
     read_jsonl,
     replace_file,
 )
+from tests.helpers.nodes import special_nodes
 
 
 def _temporaries(directory: Path) -> list[str]:
@@ -165,3 +167,18 @@ def test_a_fifo_is_refused_before_a_byte_is_read(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(NotRegularFileError, match="not a regular file"):
         open_regular(fifo)
+
+
+def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path) -> None:
+    """As root, ``view --out /dev/null`` renamed a report over the device node."""
+    for node in special_nodes(tmp_path):
+        kind = stat.S_IFMT(os.lstat(node).st_mode)
+        with pytest.raises(NotRegularFileError, match="not a regular file"):
+            replace_file(node, "report")
+        assert stat.S_IFMT(os.lstat(node).st_mode) == kind
+    assert _temporaries(tmp_path) == []
+    # A symlink is replaced itself, its target untouched (the device behind it included).
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    replace_file(tmp_path / "link", "report")
+    assert (tmp_path / "link").read_text() == "report" and stat.S_ISFIFO(
+        os.lstat(tmp_path / "fifo").st_mode)
