@@ -112,6 +112,36 @@ def refuse_special(path: Path) -> None:
                                   "directory); give the path of a file to write")
 
 
+def set_aside(path: Path, label: str = "damaged") -> Path:
+    """Rename ``path`` (a file or a directory) to a free sibling name ``NAME.LABEL``, or
+    ``NAME.LABEL-2`` and on, and return it: what a reader cannot trust is moved out of the
+    way of the next run, never deleted, and never moved over an earlier one set aside.
+    Two processes setting aside at once could pick one free name; the rename of a file
+    then replaces, so names are taken with a hard link first where the system allows."""
+    for number in range(1, 10_000):
+        candidate = path.with_name(f"{path.name}.{label}" + (f"-{number}" if number > 1 else ""))
+        if os.path.lexists(candidate):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            try:
+                os.mkdir(candidate)  # the name is ours: rename over an empty directory
+            except FileExistsError:
+                continue
+            os.rename(path, candidate)
+        else:
+            try:
+                os.link(path, candidate, follow_symlinks=False)
+            except FileExistsError:
+                continue
+            except OSError:  # no hard links here: the check above has to do
+                os.rename(path, candidate)
+            else:
+                os.unlink(path)
+        sync_directory(path.parent)
+        return candidate
+    raise FileExistsError(f"no free name to set {path} aside as {path.name}.{label}-N")
+
+
 def sync_directory(directory: Path) -> None:
     """Sync ``directory``'s entries: a rename or a new file in it is durable only then."""
     fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)

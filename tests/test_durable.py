@@ -22,6 +22,7 @@ from agent_gym.durable import (
     open_regular,
     read_jsonl,
     replace_file,
+    set_aside,
 )
 from tests.helpers.nodes import special_nodes
 
@@ -182,3 +183,17 @@ def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path) -> None:
     replace_file(tmp_path / "link", "report")
     assert (tmp_path / "link").read_text() == "report" and stat.S_ISFIFO(
         os.lstat(tmp_path / "fifo").st_mode)
+
+
+def test_what_is_set_aside_is_renamed_never_over_an_earlier_one(tmp_path: Path) -> None:
+    journal, index = tmp_path / "rollouts.sqlite", tmp_path / "index"
+    for text in ("first", "second"):
+        journal.write_text(text)
+        index.mkdir()
+        (index / "meta.json").write_text(text)
+        set_aside(journal)
+        set_aside(index)
+    assert (tmp_path / "rollouts.sqlite.damaged").read_text() == "first"
+    assert (tmp_path / "rollouts.sqlite.damaged-2").read_text() == "second"
+    assert (tmp_path / "index.damaged-2" / "meta.json").read_text() == "second"
+    assert not journal.exists() and not index.exists()
