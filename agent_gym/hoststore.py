@@ -25,6 +25,7 @@ import sqlite3
 import threading
 import time
 import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,30 @@ MAX_FILE_ROWS = 200_000  # per table; the oldest written go first
 _PRUNE_EVERY = 1024  # writes between two prunes of the file
 BUSY_SECONDS = 30.0  # how long a process waits for another's write
 _TABLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz_")
+# The most an entry may take, as stored and once inflated: far past any (an ALFWorld game's
+# translation is a few hundred KB). A 1 MB record inflating to 1 GB cost a restore 2.1 GB.
+MAX_ENTRY_BYTES = 16 * 2**20
+MAX_INFLATED_BYTES = 64 * 2**20
+
+
+def deflate(data: bytes) -> bytes:
+    """``data`` compressed for the store (fast: entries are written on the env's path)."""
+    return zlib.compress(data, 1)
+
+
+def inflate(entry: bytes, limit: int | None = None) -> bytes:
+    """An entry from ``deflate`` decompressed, refused (``zlib.error``) past ``limit`` bytes
+    (default ``MAX_INFLATED_BYTES``) or short of its end: the file is written by this host
+    but read as untrusted, so a record never costs more memory than the bound, whatever it
+    claims to hold."""
+    limit = MAX_INFLATED_BYTES if limit is None else limit
+    decompressor = zlib.decompressobj()
+    data = decompressor.decompress(entry, limit + 1)
+    if len(data) > limit or decompressor.unconsumed_tail:
+        raise zlib.error(f"a stored entry inflates to more than {limit:,} bytes")
+    if not decompressor.eof or decompressor.unused_data:
+        raise zlib.error("a stored entry is cut or has bytes after its end")
+    return data
 
 
 class HostStore:
@@ -59,7 +84,8 @@ class HostStore:
         self._broken = False
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        """The entries found among ``keys`` (memory first, then the file)."""
+        """The entries found among ``keys`` (memory first, then the file, where one longer
+        than ``MAX_ENTRY_BYTES`` counts as missing)."""
         keys = list(dict.fromkeys(keys))
         with self._lock:
             found = {key: self._memory[key] for key in keys if key in self._memory}
@@ -70,8 +96,9 @@ class HostStore:
                     for start in range(0, len(missing), 500):  # SQLite's bound-variable limit
                         chunk = missing[start:start + 500]
                         marks = ",".join("?" * len(chunk))
-                        rows = db.execute(
-                            f"SELECT key, value FROM {self.table} WHERE key IN ({marks})", chunk
+                        rows = db.execute(  # an entry past the bound is never read
+                            f"SELECT key, value FROM {self.table} WHERE key IN ({marks}) "
+                            "AND length(value) <= ?", [*chunk, MAX_ENTRY_BYTES]
                         ).fetchall()
                         found.update((str(key), bytes(value)) for key, value in rows)
                 except sqlite3.Error as err:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+import tracemalloc
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ from agent_gym.hoststore import (
     HostStore,
     code_fingerprint,
     default_path,
+    deflate,
     host_store,
+    inflate,
 )
 
 
@@ -107,3 +111,28 @@ def test_table_names_are_plain_and_the_code_fingerprint_is_stable() -> None:
     with pytest.raises(ValueError, match="table names"):
         HostStore("x; DROP TABLE y")
     assert code_fingerprint() == code_fingerprint() and len(code_fingerprint()) == 64
+
+
+def test_an_entry_inflates_within_its_bound_or_is_refused() -> None:
+    """A 1 MB record inflating to 1 GB cost a restore 2.1 GB: inflating stops at the bound."""
+    assert inflate(deflate(b"frame" * 1000)) == b"frame" * 1000
+    bomb = zlib.compress(bytes(8 * 2**20), 9)  # 8 KB of zeros' worth of a bomb
+    tracemalloc.start()
+    try:
+        with pytest.raises(zlib.error, match="more than 1,048,576 bytes"):
+            inflate(bomb, limit=2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * 2**20, peak
+    with pytest.raises(zlib.error, match="cut"):
+        inflate(deflate(b"frame" * 1000)[:-4])
+
+
+def test_an_entry_stored_past_the_bound_is_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "store.sqlite"
+    HostStore("things", path).put("big", bytes(4096))
+    monkeypatch.setattr("agent_gym.hoststore.MAX_ENTRY_BYTES", 1024)
+    assert HostStore("things", path).get("big") is None
