@@ -12,8 +12,8 @@ word. The file is a cache: a damaged or unreadable one is reported once and then
 and the store goes on in memory.
 
 Keys of different uses never meet: each use has its own table. ``code_fingerprint``
-changes with any edit of this package or of the engines' versions, so entries written by
-other code are never read back as this code's results.
+changes with any edit of this package (its code or its data files) or of the engines'
+versions, so entries written by other code are never read back as this code's results.
 """
 
 from __future__ import annotations
@@ -214,15 +214,12 @@ ENGINE_PACKAGES = ("textworld", "alfworld", "fast-downward-textworld", "gymnasiu
 
 
 def code_fingerprint() -> str:
-    """A digest of this package's source and of the engines' versions: results computed
-    by any other code never share keys with this code's."""
+    """A digest of every file of this package (its code and the data it ships, such as the
+    ALFWorld packs) and of the engines' versions: results computed by any other code or
+    data never share keys with this code's."""
     global _CODE_FINGERPRINT
     if _CODE_FINGERPRINT is None:
-        hasher = hashlib.sha256()
-        root = Path(__file__).resolve().parent  # the package: this module sits at its top
-        for source in sorted(root.rglob("*.py")):
-            hasher.update(source.relative_to(root).as_posix().encode())
-            hasher.update(source.read_bytes())
+        hasher = hashlib.sha256(tree_digest(Path(__file__).resolve().parent).encode())
         for package in ENGINE_PACKAGES:
             try:
                 version = importlib.metadata.version(package)
@@ -231,3 +228,21 @@ def code_fingerprint() -> str:
             hasher.update(f"{package}={version};".encode())
         _CODE_FINGERPRINT = hasher.hexdigest()
     return _CODE_FINGERPRINT
+
+
+def tree_digest(root: Path) -> str:
+    """The SHA-256 of every file under ``root`` by its relative path, but Python's byte
+    code caches and hidden files (a writer's temporary). Only *.py files were hashed, so a
+    data file the results depend on could change under the same key; and each path and
+    content goes in with its length, so no two trees of different files hash alike."""
+    hasher = hashlib.sha256()
+    for source in sorted(root.rglob("*")):
+        relative = source.relative_to(root)
+        if (not source.is_file() or "__pycache__" in relative.parts
+                or any(part.startswith(".") for part in relative.parts)):
+            continue
+        name = relative.as_posix().encode("utf-8", "surrogateescape")
+        content = source.read_bytes()
+        hasher.update(b"%d:%s%d:" % (len(name), name, len(content)))
+        hasher.update(content)
+    return hasher.hexdigest()
