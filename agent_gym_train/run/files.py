@@ -21,16 +21,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent_gym import untrusted
-from agent_gym.durable import (
-    CUT_LINE,
-    append_lines,
-    open_append,
-    open_regular,
-    read_jsonl,
-    replace_file,
-    set_aside,
-)
+from agent_gym import durable, untrusted
+from agent_gym.durable import append_lines, open_append, open_regular, read_jsonl, replace_file
 
 CHECKPOINT_FILE = "checkpoint.json"
 METRICS_FILE = "metrics.jsonl"
@@ -78,7 +70,7 @@ class Checkpoint:
             if not set_aside_damaged or isinstance(err, FileNotFoundError):
                 raise RunConfigError(f"{path} is not a readable checkpoint record "
                                      f"({problem})") from err
-            aside = set_aside(path)
+            aside = durable.set_aside(path)
             raise RunConfigError(
                 f"{path} is not a readable checkpoint record ({problem}); moved to "
                 f"{aside.name}: restore it to continue the run, or run again to start it "
@@ -139,12 +131,12 @@ def keep_metrics_before(path: Path, step: int) -> list[Metrics]:
     with open_regular(path) as handle:
         for line in read_jsonl(handle):
             value = line.value
-            if line.problem == CUT_LINE:
+            if line.problem == durable.CUT_LINE:
                 break  # the last line: a kill cut it before its checkpoint was written
             if line.problem is not None or not isinstance(value, dict) \
                     or type(value.get("step")) is not int:
                 problem = line.problem or "is not a metrics line agent-gym wrote"
-                aside = set_aside(path)
+                aside = durable.set_aside(path)
                 raise RunConfigError(
                     f"{path}: line {line.number} {problem}; moved to {aside.name} (the run "
                     "continues from its checkpoint without the earlier lines if run again)")
