@@ -1,6 +1,11 @@
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +20,9 @@ from agent_gym.rewards import (
     score_math,
 )
 
-# A power tower that sympy tries to evaluate for far longer than any deadline.
-HANGS_MATH_VERIFY = "9" * 100_000 + "^" + "9" * 100_000
+# A power tower that sympy tries to evaluate for far longer than any deadline (a long
+# number to the power of another no longer does: today's math-verify refuses it at once).
+HANGS_MATH_VERIFY = "9^{9^{9^{9}}}"
 
 
 def test_extract_boxed_takes_the_last_and_keeps_nested_braces() -> None:
@@ -131,13 +137,13 @@ def test_a_forked_child_uses_its_own_helpers_and_leaves_the_parents_alone() -> N
     # helpers as not its children (ECHILD), so the child neither reuses nor kills them.
     verifier = MathVerifier(timeout=5.0)
     assert verifier.equal("1/2", "0.5")
-    parent_helper = verifier._idle[0]
+    parent_helper = verifier._idle[0][0]
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # the child closes (as its atexit would), grades and reports
         try:
             verifier.close()
-            ok = verifier.equal("3", "3") and verifier._idle[0] is not parent_helper
+            ok = verifier.equal("3", "3") and verifier._idle[0][0] is not parent_helper
             verifier.close()
             os.write(write_end, b"1" if ok else b"0")
         finally:
@@ -145,5 +151,112 @@ def test_a_forked_child_uses_its_own_helpers_and_leaves_the_parents_alone() -> N
     os.waitpid(child, 0)
     assert os.read(read_end, 1) == b"1"
     assert parent_helper.poll() is None  # the child did not kill the parent's helper
-    assert verifier.equal("2", "2.0") and verifier._idle[0] is parent_helper
+    assert verifier.equal("2", "2.0") and verifier._idle[0][0] is parent_helper
     verifier.close()
+
+
+# ---------------------------------------------------------------------- the helper pool
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+
+
+def running(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent, None once it has exited (a zombie included:
+    an orphan's is reaped only if this machine's init reaps)."""
+    try:
+        state, parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if state in "ZX" else (state, int(parent))
+
+
+def helpers_of(pid: int) -> set[int]:
+    """The math-verify helpers ``pid`` started that are running now, from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        process = running(int(entry.name))
+        try:
+            command = (entry / "cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if process is not None and process[1] == pid and b"math_verify" in command:
+            found.add(int(entry.name))
+    return found
+
+
+@needs_proc
+def test_forty_concurrent_gradings_share_a_bounded_pool_and_idle_helpers_are_stopped() -> None:
+    verifier = MathVerifier(timeout=5.0, max_helpers=3, idle_s=1.0)
+    others = helpers_of(os.getpid())  # the shared verifier's, from other tests
+    peak, grading = 0, threading.Event()
+    grading.set()
+
+    def watch() -> None:
+        nonlocal peak
+        while grading.is_set():
+            peak = max(peak, len(helpers_of(os.getpid()) - others))
+            time.sleep(0.01)
+
+    outcomes: list[bool] = []
+    threads = [threading.Thread(target=lambda: outcomes.append(verifier.equal("0.5", "1/2")))
+               for _ in range(40)]
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    grading.clear()
+    watcher.join()
+    assert outcomes == [True] * 40
+    assert 1 <= peak <= 3
+    deadline = time.monotonic() + 15
+    while helpers_of(os.getpid()) - others and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert helpers_of(os.getpid()) - others == set(), "idle helpers outlived their idle timeout"
+    assert verifier.equal("2", "2.0")  # a helper starts again when needed
+    verifier.close()
+
+
+def test_a_call_that_finds_every_helper_busy_past_its_wait_is_an_error_not_a_new_helper(
+) -> None:
+    verifier = MathVerifier(timeout=3.0, max_helpers=1, wait_s=0.5)
+    verifier.equal("1", "1")
+    hung = threading.Thread(target=verifier.equal, args=(HANGS_MATH_VERIFY, "1"))
+    hung.start()
+    time.sleep(0.2)
+    with pytest.raises(RuntimeError, match=r"all 1 math-verify helpers stayed busy for 0\.5 s"):
+        verifier.equal("2", "2")
+    hung.join(timeout=30)  # its deadline ends the busy helper
+    verifier.close()
+    with pytest.raises(ValueError, match="at least one helper"):
+        MathVerifier(max_helpers=0)
+
+
+@needs_proc
+def test_a_helper_stops_computing_soon_after_a_killed_parent_would_have_stopped_it() -> None:
+    grader = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import threading, time
+        from agent_gym.rewards import MathVerifier
+        verifier = MathVerifier(timeout=2.0)
+        verifier.equal("1", "1")
+        threading.Thread(target=verifier.equal, args=({HANGS_MATH_VERIFY!r}, "1")).start()
+        print("grading", flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert grader.stdout is not None and grader.stdout.readline() == "grading\n"
+        time.sleep(0.5)
+        helpers = helpers_of(grader.pid)
+        assert len(helpers) == 1
+    finally:
+        os.kill(grader.pid, signal.SIGKILL)
+        grader.wait()
+    deadline = time.monotonic() + 15  # 2 s of CPU and a second more, on a busy machine
+    while any(running(pid) for pid in helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = [pid for pid in helpers if running(pid)]
+    for pid in alive:  # the old helper computed on for no one: end it here
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], "a helper went on computing after its parent was killed"

@@ -100,6 +100,7 @@ class TaskSampler:
     def observe(self, index: int, mixed: bool) -> None:
         if isinstance(index, bool) or not 0 <= index < self.num_tasks:
             raise ValueError(f"task index {index!r} is not in [0, {self.num_tasks})")
+        mixed = _outcome(mixed)
         self.outcomes.setdefault(index, deque(maxlen=WINDOW)).append(mixed)
         self.part_outcomes.setdefault(self._part_of(index), deque(maxlen=PART_WINDOW)
                                       ).append(mixed)
@@ -107,10 +108,10 @@ class TaskSampler:
     def record(self, tasks: Sequence[Mapping[str, int]], mixed: Sequence[bool]) -> dict[str, int]:
         """Observe a step's groups as its metrics line keeps them (a task drawn twice in
         one step counts its last group), and return that record."""
-        kept = {str(task["index"]): int(outcome)
+        kept = {str(task["index"]): int(_outcome(outcome))
                 for task, outcome in zip(tasks, mixed, strict=True)}
         for index, outcome in kept.items():
-            self.observe(int(index), bool(outcome))
+            self.observe(int(index), outcome)
         return kept
 
     @classmethod
@@ -127,11 +128,23 @@ class TaskSampler:
                 try:
                     if not (isinstance(index, str) and index.isascii() and index.isdigit()):
                         raise ValueError(f"task index {index!r} is not a number")
-                    sampler.observe(int(index), bool(mixed))
+                    sampler.observe(int(index), mixed)
                 except ValueError as err:
                     raise RunConfigError(f"metrics line of step {row.get('step')}: {err}"
                                          ) from err
         return sampler
+
+
+def _outcome(mixed: object) -> bool:
+    """A group's outcome as a bool, from a bool or the 0 / 1 its metrics line stores.
+
+    Anything else is refused rather than read by its truth: a hand-edited or foreign line
+    holding ``"0"``, ``"no"`` or ``5`` would otherwise count as a mixed group and steer
+    every later draw."""
+    if isinstance(mixed, (bool, np.bool_)) or (isinstance(mixed, (int, np.integer))
+                                                and mixed in (0, 1)):
+        return bool(mixed)
+    raise ValueError(f"a group's outcome is true / false or 1 / 0, not {mixed!r}")
 
 
 def _posterior(seen: Iterable[bool] | None, prior: float) -> float:

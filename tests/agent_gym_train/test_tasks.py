@@ -66,6 +66,23 @@ def test_metrics_naming_a_task_the_env_lacks_are_refused(index: str) -> None:
         TaskSampler.from_metrics(10, "mixed", [{"step": 0, "task_outcomes": {index: 1}}])
 
 
+@pytest.mark.parametrize("outcome", ["0", "no", 5, 0.5, None, [1]])
+def test_an_outcome_other_than_true_false_one_or_zero_is_refused_not_read_as_mixed(
+        outcome: object) -> None:
+    with pytest.raises(RunConfigError, match="metrics line of step 3: a group's outcome"):
+        TaskSampler.from_metrics(10, "mixed", [{"step": 3, "task_outcomes": {"2": outcome}}])
+    with pytest.raises(ValueError, match="a group's outcome"):
+        TaskSampler(10, "mixed").record([{"index": 2}], [outcome])  # type: ignore[list-item]
+
+
+def test_outcomes_stored_as_one_and_zero_read_back_as_mixed_and_not() -> None:
+    rebuilt = TaskSampler.from_metrics(10, "mixed", [
+        {"step": 0, "task_outcomes": {"2": 1, "3": 0}},
+        {"step": 1, "task_outcomes": {"2": True, "3": False}}])
+    assert {index: list(seen) for index, seen in rebuilt.outcomes.items()} == {
+        2: [True, True], 3: [False, False]}
+
+
 @pytest.mark.parametrize("part", [EnvPart(0, 1.0), EnvPart(5, 0.0), EnvPart(5, float("nan"))])
 def test_parts_without_tasks_or_weight_are_refused(part: EnvPart) -> None:
     with pytest.raises(ValueError, match="needs tasks and a positive weight"):
