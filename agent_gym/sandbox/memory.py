@@ -1,36 +1,30 @@
 """Memory bounded per sandbox: all of a sandbox's processes together, not each one.
 
 ``RLIMIT_AS`` (``Limits.memory_bytes``) caps one process's address space, so a cell that
-forks could hold ``processes`` times that much (a 128 MB limit held 732 MB). Every sandbox
-(on the fork-server, every call) is therefore bounded as a whole too, by the first of two
-mechanisms this host allows. It is chosen once per process and named by the sandboxes'
-``memory_bound`` attribute and a log line. Both count what the kernel charges a sandbox
-for, against one limit (``sandbox_limit``): its processes' pages, the files in its ``/tmp``
-and ``/dev/shm``, and shared memory it holds with no file name (``memfd_create``), whose
-pages are in no process's resident set; a watcher that counted only those sets let a cell
-hold 960 MB of memfd files under a 128 MB bound.
+forks could hold ``processes`` times that much. Every sandbox (on the fork-server, every
+call) is therefore bounded as a whole too, by the first of two mechanisms this host allows,
+chosen once per process and named by the sandboxes' ``memory_bound`` attribute and a log
+line. Both count what the kernel charges a sandbox for, against one limit
+(``sandbox_limit``): its processes' pages, the files in its ``/tmp`` and ``/dev/shm``, and
+shared memory with no file name (``memfd_create``), whose pages are in no process's
+resident set (docs/experiments/sandbox.md has what counting only those sets let through).
 
 ``cgroup-v1`` / ``cgroup-v2``
     A memory cgroup per sandbox, made under this process's own memory cgroup (so whatever
-    bounds this process still bounds its sandboxes) and removed with it. The kernel enforces
-    it as pages are allocated: at the limit it reclaims caches, then its OOM killer kills one
-    of the sandbox's processes (the largest).
-    Needs write access to this process's cgroup (root, or a delegated one) and, under
-    cgroup v2, the memory controller enabled for that cgroup's children.
+    bounds this process still bounds its sandboxes) and removed with it; the kernel's OOM
+    killer enforces it. Needs write access to this process's cgroup (root, or a delegated
+    one) and, under cgroup v2, the memory controller enabled for its children.
 
 ``watcher``
-    Elsewhere, one thread of this process adds up what each sandbox holds every
-    ``WATCH_INTERVAL`` and kills the sandbox once the sum is over the limit (``_held``): the
-    proportional set sizes of its processes (shared pages split between their sharers), the
-    memfd files they hold open and the space used in its own ``/tmp`` and ``/dev/shm``
-    (each file once: a mapping of a file counted whole is left out of the sets). A sandbox
-    can be over for up to one interval before it dies. Not seen: a memfd a process keeps
-    only through a mapping smaller than the file (its fd closed), whose size only
-    ``/proc/PID/map_files`` tells, and that needs ``CAP_SYS_ADMIN``.
+    Elsewhere, one thread adds up what each sandbox holds every ``WATCH_INTERVAL`` and
+    kills the sandbox once the sum is over the limit (``_held``): its processes'
+    proportional set sizes, the memfd files they hold open and the space used in its own
+    ``/tmp`` and ``/dev/shm`` (each file once: a mapping of a file counted whole is left out
+    of the sets). A sandbox can be over for up to one interval before it dies. Not seen: a
+    memfd kept only through a mapping smaller than the file (its fd closed), whose size only
+    ``/proc/PID/map_files`` tells, which needs ``CAP_SYS_ADMIN``.
 
-A sandbox killed for its memory says so in its result (``Bound.exceeded``).
-"""
-
+A sandbox killed for its memory says so in its result (``Bound.exceeded``)."""
 from __future__ import annotations
 
 import errno
@@ -62,10 +56,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def held_limit(limits: Limits, warm: int = 0) -> int:
-    """The most all of one sandbox's processes may hold together: what one of them may
-    address (``memory_bytes``), the pages of the warm interpreter a fork-server call starts
-    from that it may copy (``warm``), and the machinery's allowance. One process alone hits
-    its own ``RLIMIT_AS`` (a ``MemoryError`` the code can handle) before this."""
+    """The most all of one sandbox's processes may hold together: what one may address
+    (``memory_bytes``), the warm interpreter's pages a fork-server call may copy (``warm``)
+    and the machinery's allowance. One process alone hits its own ``RLIMIT_AS`` (a
+    ``MemoryError`` the code can handle) first."""
     return limits.memory_bytes + warm + limits.memory_bytes // 64 + _MACHINERY_BYTES
 
 
@@ -101,17 +95,12 @@ class Bound(ABC):
 # ---------------------------------------------------------------- cgroups
 class Cgroup(Bound):
     """One sandbox's memory cgroup, with its door open: the file a process writes ``0`` to
-    in order to enter it (``join``).
-
-    A process enters by itself, right after it was forked and before it runs anything: that
-    way a cgroup v1 move is one thread's (``tasks``), which the kernel makes without its
-    global lock on every thread group; moving a process by pid (``cgroup.procs``) waits for
-    an RCU grace period, ~10 ms a call. (cgroup v2 has only ``cgroup.procs``.) The file was
-    opened by this process, and the kernel checks a write against its opener's credentials
-    and cgroup namespace, so a fork-server's child (uid 65534, in namespaces of its own)
-    enters through a copy passed to it. A cgroup is reused by the fork-server's next call
-    once every process of the last one is gone (``rearm``).
-    """
+    in order to enter it (``join``), by itself, right after its fork. A cgroup v1 move of
+    one thread (``tasks``) skips the global lock that moving a pid (``cgroup.procs``, all
+    v2 has) takes for an RCU grace period; the kernel checks a write against the opener's
+    credentials, so a fork-server's child (uid 65534, namespaces of its own) enters through
+    a copy passed to it. The next call reuses the cgroup once the last one's processes are
+    gone (``rearm``)."""
 
     def __init__(self, tree: _Tree, path: str, limit: int) -> None:
         self.mechanism = tree.mechanism
@@ -167,11 +156,8 @@ class Cgroup(Bound):
 
 
 def _write(path: str, value: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, value.encode())
-    finally:
-        os.close(fd)
+    with open(path, "wb", buffering=0) as handle:  # one write(2), as a cgroup file wants
+        handle.write(value.encode())
 
 
 def _unescape(field: str) -> str:
@@ -297,8 +283,7 @@ def _rmdir(path: str, patience: float = 2.0) -> None:
 
 
 def reclaim(own: str | None = None) -> list[str]:
-    """Remove the sandbox cgroups of processes that are gone (they died without removing
-    them; their sandboxes died with them); the ones removed."""
+    """Remove (and return) the sandbox cgroups of processes that died without removing them."""
     if own is None:
         try:
             own = _own_memory_cgroup()[1]
@@ -426,8 +411,8 @@ def _memfds(pids: list[int]) -> dict[Inode, int]:
 
 @functools.cache
 def _host_tmpfs() -> frozenset[int]:
-    """The devices of this process's ``/tmp`` and ``/dev/shm``: a sandbox process that sees
-    them (bwrap's outer one, an ``rlimits`` worker) has none of its own there."""
+    """The devices of this process's ``/tmp`` and ``/dev/shm``, which a sandbox process
+    that sees them (bwrap's outer one, an ``rlimits`` worker) does not own."""
     found = set()
     for path in ("/tmp", "/dev/shm"):
         with suppress(OSError):
@@ -436,8 +421,8 @@ def _host_tmpfs() -> frozenset[int]:
 
 
 def _tmpfs(pids: list[int]) -> dict[int, int]:
-    """The sandbox's own ``/tmp`` and ``/dev/shm`` by device, with the bytes used in each
-    (seen through each process's root: a fork-server call mounts its own)."""
+    """The bytes used in the sandbox's own ``/tmp`` and ``/dev/shm``, by device (through each
+    process's root: a fork-server call mounts its own)."""
     found: dict[int, int] = {}
     host = _host_tmpfs()
     for pid in pids:
@@ -475,11 +460,9 @@ def _pss(pid: int, files: dict[Inode, int], devices: dict[int, int]) -> int:
 
 
 def _held(pids: list[int], limit: int) -> int:
-    """What the processes hold together (see the module docstring), to the extent that it
-    decides whether they are over ``limit``: files are counted whole, then resident set
-    sizes (cheap counters, but a page several processes share counts once for each of
-    them); only when those add up to more, the proportional ones (a walk of every page
-    table)."""
+    """What the processes hold together, as far as it decides whether they are over
+    ``limit``: files whole, then resident sets (cheap, but a shared page counts once per
+    sharer); only when those add up to more, the proportional sets (every page table)."""
     files, devices = _memfds(pids), _tmpfs(pids)
     whole = sum(files.values()) + sum(devices.values())
     held = whole + sum(map(_rss, pids))
