@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import re
 import signal
 import sys
@@ -488,6 +489,16 @@ def _plugins_for(argv: Sequence[str]) -> list[EntryPoint]:
     return named or plugins
 
 
+def _importable_from_here() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -c`` and ``python -m``
+    do, so ``--import m`` and the ``m:ENV_ID`` form find a module where ``python -c "import
+    m"`` would: a console script's path starts at its own bin directory instead, and
+    ``agent-gym eval ... --import letter_count`` beside ``letter_count.py`` failed."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_plugins_for(argv))
@@ -495,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # `agent-gym` alone: the overview
         parser.print_help()
         return 0
+    _importable_from_here()
     try:
         args.plugin_envs = agent_gym.load_env_plugins(getattr(args, "imports", ()))
         return int(args.run(args))
