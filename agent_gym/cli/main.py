@@ -29,7 +29,12 @@ import agent_gym
 from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.alfworld.games import GameError
 from agent_gym.cli import runs as runs_cli
-from agent_gym.cli.parsing import DefaultsHelpFormatter, OneLineParser, add_env_arg
+from agent_gym.cli.parsing import (
+    DefaultsHelpFormatter,
+    OneLineParser,
+    add_env_arg,
+    missing_extra,
+)
 from agent_gym.data import DataError
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.eval.compare import CompareError
@@ -184,7 +189,10 @@ def _probe_env(env_id: str, env_kwargs: dict[str, Any], policy_spec: str) -> Non
         env = gymnasium.make(env_id, **env_kwargs)
     except gymnasium.error.Error as err:  # an unknown id: keeps Gymnasium's "did you mean"
         raise UserError(str(err)) from err
-    except (TypeError, ValueError, ImportError, OSError) as err:
+    except ImportError as err:  # the env's optional stack: name the extra when one has it
+        raise UserError(missing_extra(err) or f"cannot build {env_id} with {env_kwargs}: {err}"
+                        ) from err
+    except (TypeError, ValueError, OSError) as err:
         raise UserError(f"cannot build {env_id} with {env_kwargs}: {err}") from err
     try:
         _, info = env.reset(seed=0)
@@ -514,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(str(err).split()) or type(err).__name__
-        print(f"agent-gym {args.command}: error: {message}", file=sys.stderr)
-        return 2
+    except ImportError as err:  # an optional stack, loaded only by what needs it
+        message = missing_extra(err)
+        if message is None or args.debug:
+            raise
+    print(f"agent-gym {args.command}: error: {message}", file=sys.stderr)
+    return 2
 
