@@ -102,7 +102,8 @@ def _summary_table(runs: Sequence[Run]) -> str:
         synthetic = " <span class='warn'>(synthetic data)</span>" if s.synthetic else ""
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in (
             f"<a href='#run-{index}'>{index + 1}</a>", _e(s.env_id) + synthetic, _e(s.policy),
-            f"{s.episodes} of {run.config.episodes * run.config.rollouts_per_task}",
+            f"{s.episodes} of {run.config.episodes * run.config.rollouts_per_task}"
+            f" <small>{s.tasks} task{'s' * (s.tasks != 1)}</small>",
             f"{_figure(s.success_rate, '.3f')} [{s.success_low:.3f}, {s.success_high:.3f}]"
             f" <small>{_e(s.success_interval)}</small>",
             f"{_figure(s.mean_reward, '.3f')}{_interval(s.reward_low, s.reward_high)}",
@@ -186,7 +187,8 @@ def _comparison_section(compared: Compared, index_of: dict[int, int], anchors: _
     parts = [
         "<section class='comparison'><h2>Comparison</h2>",
         f"<p>A = {_e(comparison.label_a)}<br>B = {_e(comparison.label_b)}</p>",
-        "<p class='method'>Episodes are paired by env, task and rollout; the interval is "
+        "<p class='method'>Episodes are paired by env, task and play (a task's rollouts and "
+        "repeats, in order); the interval is "
         "Newcombe's score interval for a difference of paired proportions (method 10, "
         "1998).</p>",
         "<table class='compare'><thead><tr>" + "".join(f"<th>{h}</th>" for h in head)
@@ -207,7 +209,7 @@ def _comparison_section(compared: Compared, index_of: dict[int, int], anchors: _
             links = [f"<a href='#{a}'>{'A' if i in side_a else 'B'}</a>"
                      for i, a in anchors.by_key.get(key, []) if i in side_a | side_b]
             items.append(f"<li>{_e(key[0])} <code>{_e(key[1])}</code>"
-                         f"{f' rollout {key[2]}' if key[2] else ''} {' '.join(links)}</li>")
+                         f"{f' play {key[2]}' if key[2] else ''} {' '.join(links)}</li>")
         parts.append(f"<h3>{title} ({len(keys)})</h3><ul class='flips'>{''.join(items)}</ul>")
     parts.append("</section>")
     return "\n".join(parts)
@@ -313,7 +315,7 @@ def _episode(index: int, run: Run, key: EpisodeKey, record: dict[str, Any],
     opening = max(0, len(transcript) - 2 * stepped - (1 if end == "max_tokens" else 0))
     header = (
         f"<h3>#{number} · task <code>{_e(key[1])}</code>"
-        + (f" · rollout {key[2]}" if key[2] else "")
+        + (f" · rollout {rollout}" if (rollout := int(record.get("rollout") or 0)) else "")
         + f" · <span class='{'ok' if success else 'bad'}'>{'success' if success else 'failure'}"
         f"</span> · reward {float(record.get('reward', 0.0)):g} · end: {_e(end or '(none)')}"
         f" · {turns} turns · {float(record.get('latency_s', 0.0)):.2f} s"
