@@ -52,3 +52,26 @@ def test_every_command_counts_ten_episodes_of_four_tasks_alike(
     rescored = json.loads((run / "rescore.json").read_text())["summary"]
     assert {k: rescored[k] for k in saved if k.startswith(("episodes", "tasks", "success"))} == {
         k: saved[k] for k in saved if k.startswith(("episodes", "tasks", "success"))}
+
+
+def test_compare_says_why_runs_pair_nothing_and_warns_when_settings_differ(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def run(name: str, *options: str) -> str:
+        out = str(tmp_path / name)
+        assert main(["eval", GSM8K, "--episodes", "2", "--quiet", "--out", out, *options]) == 0
+        return out
+
+    base, reseeded = run("base"), run("seed1", "--seed", "1")
+    capsys.readouterr()
+    assert main(["compare", base, reseeded]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "agent-gym compare: error: GSM8K-v0 / oracle and GSM8K-v0 / oracle have no task in "
+        "common to compare: A ran with --seed 0 and B with --seed 1, and the seed chooses "
+        "which tasks the episodes play; rerun B with --seed 0 (or more --episodes) to play "
+        "A's tasks")
+    longer = run("turns", "--env-arg", "max_turns=3", "--max-tokens", "128")
+    capsys.readouterr()
+    assert main(["compare", base, longer]) == 0
+    assert ("note: A and B ran agent_gym/GSM8K-v0 with different settings (max_turns (the "
+            "default) in A, 3 in B; --max-tokens 256 in A, 128 in B): a difference may be the "
+            "settings', not the policies'") in capsys.readouterr().out.splitlines()
