@@ -92,7 +92,7 @@ def render_report(runs: Sequence[Run], comparisons: Sequence[Compared] = ()) -> 
 def _summary_table(runs: Sequence[Run]) -> str:
     head = ("run", "env", "policy", "episodes", "success [95% CI]", "mean reward [95% CI]",
             "pass@k [95% CI]", "end reasons", "turns", "tokens", "invalid actions",
-            "cut replies", "latency p50 / p95 s", "errors", "directory")
+            "cut replies", "latency p50 / p95 s (episode, reply)", "errors", "directory")
     rows = []
     warnings = []
     for index, run in enumerate(runs):
@@ -114,7 +114,9 @@ def _summary_table(runs: Sequence[Run]) -> str:
             f"{_figure(counts.invalid_share, '.2f')} <small>{counts.invalid} of "
             f"{counts.actions}</small>",
             f"{_figure(counts.cut_share, '.2f')} <small>{counts.cut} of {counts.episodes}</small>",
-            f"{_figure(s.latency_p50, '.2f')} / {_figure(s.latency_p95, '.2f')}",
+            f"{_figure(s.latency_p50, '.2f')} / {_figure(s.latency_p95, '.2f')}<br><small>"
+            f"{_figure(s.reply_latency_p50, '.2f')} / {_figure(s.reply_latency_p95, '.2f')}"
+            "</small>",
             str(s.errors), f"<code>{_e(run.path)}</code>",
         )) + "</tr>")
     header = "".join(f"<th>{h}</th>" for h in head)
@@ -125,8 +127,10 @@ def _summary_table(runs: Sequence[Run]) -> str:
         extra = {k: v for k, v in dataclasses.asdict(run.summary()).items()
                  if k not in _SUMMARY_SHOWN and v not in (None, 0, False, {}, [])}
         if extra:
-            others.append(f"<li>run {index + 1}: <code>"
-                          f"{_e(json.dumps(extra, ensure_ascii=False))}</code></li>")
+            figures = "; ".join(f"{name.replace('_', ' ')}: "
+                                f"{json.dumps(value, ensure_ascii=False)}"
+                                for name, value in extra.items())
+            others.append(f"<li>run {index + 1}, more of its summary: {_e(figures)}</li>")
     other_list = f"<ul class='other-figures'>{''.join(others)}</ul>" if others else ""
     warning_list = (f"<ul class='summary-notes'>{''.join(warnings)}</ul>" if warnings else "")
     return (f"<h2>Summary</h2><table id='summary'><thead><tr>{header}</tr></thead>"
@@ -138,6 +142,7 @@ _SUMMARY_SHOWN = frozenset({
     "mean_reward", "mean_turns", "mean_tokens", "latency_p50", "latency_p95", "synthetic",
     "success_interval", "reward_low", "reward_high", "pass_at_k", "end_reasons",
     "rollouts_per_task", "tasks", "notes", "actions", "invalid_actions", "cut_replies",
+    "reply_latency_p50", "reply_latency_p95",
 })
 
 

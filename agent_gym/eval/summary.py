@@ -70,7 +70,8 @@ class ReplyCounts:
             notes.append(
                 f"most actions were invalid ({self.invalid} of {self.actions}): the env "
                 "refused them, so the success rate says little about the task; check that "
-                "the policy calls the tool the way the env's prompt asks"
+                "the policy's replies take the form the env's prompt asks for (a tool call, a "
+                "command or a marked answer, whichever the env takes)"
             )
         return notes
 
