@@ -39,14 +39,30 @@ def _environ(*paths: Path) -> dict[str, str]:
             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
+def _as_installed(bin_dir: Path) -> dict[str, str]:
+    """An environment without PYTHONPATH whose ``agent-gym`` is a console script as pip
+    writes it (its own directory first on ``sys.path``, never the working directory), of
+    this checkout: a user's module is found only the way the command itself finds it."""
+    bin_dir.mkdir()
+    script = bin_dir / "agent-gym"
+    script.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(1, {str(ROOT)!r})\n"
+                      "from agent_gym.cli.main import main\nsys.exit(main())\n")
+    script.chmod(0o755)
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    path = os.pathsep.join((str(bin_dir), str(Path(sys.executable).parent), environ["PATH"]))
+    return {**environ, "PATH": path}
+
+
 def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(shlex.split(command), cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
-def test_the_guides_commands_run_its_env(module_dir: Path) -> None:
-    env = _environ(module_dir)
+def test_the_guides_commands_run_as_written_from_the_modules_folder(
+        module_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    env = _as_installed(tmp_path_factory.mktemp("installed") / "bin")
     commands = [line for line in _blocks("bash")[0].replace("\\\n", "").splitlines() if line]
+    commands += re.findall(r"`(agent-gym eval letter_count:[^`]+)`", GUIDE)  # Gymnasium's form
     served = [c for c in commands if " serve " in f" {c} "]
     assert len(served) == 1
     for command in commands:
@@ -60,7 +76,9 @@ def test_the_guides_commands_run_its_env(module_dir: Path) -> None:
     assert summary["episodes"] >= 4 and summary["success_rate"] == 1.0
     # `serve` as the guide writes it, with a free port: a client plays an episode.
     words = shlex.split(served[0])
-    with running_server(words[2], *words[3:], env={"PYTHONPATH": env["PYTHONPATH"]}) as url:
+    # (the helper starts it with `python -m` from elsewhere, so it is told the module's folder)
+    with running_server(words[2], *words[3:],
+                        env={"PYTHONPATH": os.pathsep.join((str(ROOT), str(module_dir)))}) as url:
         assert httpx.post(f"{url}/reset", json={}, timeout=30).status_code == 200
 
 

@@ -19,3 +19,18 @@ def test_make_run_is_the_documented_demo_and_the_eval_suite_stays_documented() -
     assert run is not None and run.group(1) == "agent-gym train demo --out runs/demo"
     assert f"`make run` is `{run.group(1)}`" in readme
     assert "agent-gym eval --suite default --max-tokens 160 --out runs/eval-default" in readme
+
+
+def test_the_readme_says_what_make_from_state_returns_and_where_random_plays() -> None:
+    """Both as the code has them: a tuple to unpack, and a policy for envs listing
+    admissible actions (eval refuses it elsewhere, naming ALFWorld-v0)."""
+    import inspect
+
+    import agent_gym
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    returned = inspect.signature(agent_gym.make_from_state).return_annotation
+    assert "tuple[gymnasium.Env, str, dict[str, Any]]" in str(returned)
+    assert "`env, observation, info = agent_gym.make_from_state(state)`" in readme
+    (row,) = [line for line in readme.splitlines() if line.startswith("| `agent-gym eval ENV")]
+    assert "random (envs that list admissible actions: ALFWorld)" in row

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import functools
 import json
+import os
 import re
 import signal
 import sys
@@ -28,7 +29,12 @@ import agent_gym
 from agent_gym.alfworld import cli as alfworld_cli
 from agent_gym.alfworld.games import GameError
 from agent_gym.cli import runs as runs_cli
-from agent_gym.cli.parsing import DefaultsHelpFormatter, OneLineParser, add_env_arg
+from agent_gym.cli.parsing import (
+    DefaultsHelpFormatter,
+    OneLineParser,
+    add_env_arg,
+    missing_extra,
+)
 from agent_gym.data import DataError
 from agent_gym.env.state import EnvState, StateError
 from agent_gym.eval.compare import CompareError
@@ -183,7 +189,10 @@ def _probe_env(env_id: str, env_kwargs: dict[str, Any], policy_spec: str) -> Non
         env = gymnasium.make(env_id, **env_kwargs)
     except gymnasium.error.Error as err:  # an unknown id: keeps Gymnasium's "did you mean"
         raise UserError(str(err)) from err
-    except (TypeError, ValueError, ImportError, OSError) as err:
+    except ImportError as err:  # the env's optional stack: name the extra when one has it
+        raise UserError(missing_extra(err) or f"cannot build {env_id} with {env_kwargs}: {err}"
+                        ) from err
+    except (TypeError, ValueError, OSError) as err:
         raise UserError(f"cannot build {env_id} with {env_kwargs}: {err}") from err
     try:
         _, info = env.reset(seed=0)
@@ -488,6 +497,16 @@ def _plugins_for(argv: Sequence[str]) -> list[EntryPoint]:
     return named or plugins
 
 
+def _importable_from_here() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -c`` and ``python -m``
+    do, so ``--import m`` and the ``m:ENV_ID`` form find a module where ``python -c "import
+    m"`` would: a console script's path starts at its own bin directory instead, and
+    ``agent-gym eval ... --import letter_count`` beside ``letter_count.py`` failed."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(_plugins_for(argv))
@@ -495,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:  # `agent-gym` alone: the overview
         parser.print_help()
         return 0
+    _importable_from_here()
     try:
         args.plugin_envs = agent_gym.load_env_plugins(getattr(args, "imports", ()))
         return int(args.run(args))
@@ -502,6 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(str(err).split()) or type(err).__name__
-        print(f"agent-gym {args.command}: error: {message}", file=sys.stderr)
-        return 2
+    except ImportError as err:  # an optional stack, loaded only by what needs it
+        message = missing_extra(err)
+        if message is None or args.debug:
+            raise
+    print(f"agent-gym {args.command}: error: {message}", file=sys.stderr)
+    return 2
 

@@ -10,9 +10,11 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, requires
 from typing import Any, NoReturn
 
 from agent_gym import untrusted
+from agent_gym.extras import install_hint
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -76,3 +78,37 @@ def add_env_arg(parser: argparse.ArgumentParser, help: str = HOST_SETTING_HELP) 
                         metavar="KEY=VALUE", help=help)
     parser.add_argument("--env-kwargs", action=EnvKwargsJSON, dest="env_arg", metavar="JSON",
                         help="the same settings as one JSON object (each key an --env-arg)")
+
+
+def extra_providing(module: str) -> str | None:
+    """The extra of agent-gym (``train`` first) that installs the top-level package of
+    ``module``, read off the installed package's metadata (pyproject's
+    ``optional-dependencies``): one list, not a copy of it here. None: no extra does."""
+    top = module.partition(".")[0].lower().replace("-", "_")
+    try:
+        requirements = requires("agent-gym") or []
+    except PackageNotFoundError:
+        return None
+    extras: list[str] = []
+    for requirement in requirements:
+        distribution, _, marker = requirement.partition(";")
+        named = re.match(r"[A-Za-z0-9._-]+", distribution.strip())
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
+        if named and extra and named.group().lower().replace("-", "_") == top:
+            extras.append(extra.group(1))
+    return "train" if "train" in extras else next(iter(extras), None)
+
+
+def missing_extra(err: ImportError) -> str | None:
+    """The one line for an import that failed because an extra is not installed (the
+    module that is missing, or the hint an ImportError raised in its place already gives),
+    or None when no extra would help: a policy, env or command loads its optional stack
+    only when used, so this can surface from any command, deep in a traceback."""
+    missing = next((cause.name for cause in (err, err.__cause__)
+                    if isinstance(cause, ImportError) and cause.name), None)
+    extra = extra_providing(missing or "")
+    if extra is None:
+        return None
+    hint = install_hint(extra)
+    text = " ".join(str(err).split())
+    return text if hint in text else f"this needs the {extra} extra ({text}): {hint}"

@@ -11,11 +11,14 @@ and is not degenerate at 0 or 100%.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from agent_gym.eval.config import EvalConfig
 from agent_gym.eval.runs import EpisodeKey, Run
 from agent_gym.eval.stats import wilson_interval
 from agent_gym.eval.summary import ReplyCounts
@@ -130,7 +133,8 @@ def compare(a: Sequence[Run], b: Sequence[Run], label_a: str, label_b: str) -> C
     episodes_a, episodes_b = pooled_episodes(a), pooled_episodes(b)
     shared = [key for key in episodes_a if key in episodes_b]
     if not shared:
-        raise CompareError(f"{label_a} and {label_b} have no task in common to compare")
+        raise CompareError(f"{label_a} and {label_b} have no task in common to compare: "
+                           f"{_why_unpaired(a, b)}")
     envs = []
     for env_id in sorted({key[0] for key in shared}):
         keys = [key for key in shared if key[0] == env_id]
@@ -140,6 +144,12 @@ def compare(a: Sequence[Run], b: Sequence[Run], label_a: str, label_b: str) -> C
     notes = [f"{name}: {note}"
              for name, side, counts in (("A", a, counts_a), ("B", b, counts_b))
              for note in counts.notes(side[0].config.max_tokens)]
+    configs_a, configs_b = _configs(a), _configs(b)
+    for env_id in sorted({key[0] for key in shared}):
+        differ = _settings_differ(configs_a[env_id], configs_b[env_id])
+        if differ:
+            notes.append(f"A and B ran {env_id} with different settings ({'; '.join(differ)}): "
+                         "a difference may be the settings', not the policies'")
     return Comparison(
         label_a, label_b,
         overall=_paired(shared, episodes_a, episodes_b),
@@ -150,6 +160,52 @@ def compare(a: Sequence[Run], b: Sequence[Run], label_a: str, label_b: str) -> C
         only_in_b=len(episodes_b) - len(shared),
         counts_a=counts_a, counts_b=counts_b, notes=notes,
     )
+
+
+def _configs(side: Sequence[Run]) -> dict[str, EvalConfig]:
+    return {run.config.env_id: run.config for run in side}
+
+
+# The settings besides the policy that change what a run measures, as the command line
+# names them (the env's own arguments are listed one by one).
+_POLICY_SETTINGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
+                    "history_window": "--history-window"}
+
+
+def _settings_differ(a: EvalConfig, b: EvalConfig) -> list[str]:
+    """How two runs of one env differ in settings, in the user's words; seeds are left
+    out (pairing by task makes them irrelevant), as is the policy (what is compared)."""
+    found = [f"{key} {_shown(a.env_kwargs, key)} in A, {_shown(b.env_kwargs, key)} in B"
+             for key in sorted({*a.env_kwargs, *b.env_kwargs})
+             if a.env_kwargs.get(key, _DEFAULT) != b.env_kwargs.get(key, _DEFAULT)]
+    found += [f"{option} {getattr(a, name)} in A, {getattr(b, name)} in B"
+              for name, option in _POLICY_SETTINGS.items() if getattr(a, name) != getattr(b, name)]
+    return found
+
+
+_DEFAULT = object()
+
+
+def _shown(kwargs: dict[str, Any], key: str) -> str:
+    return json.dumps(kwargs[key]) if key in kwargs else "(the default)"
+
+
+def _why_unpaired(a: Sequence[Run], b: Sequence[Run]) -> str:
+    """What to change so two sides share tasks: the env, the seed, or the env's settings."""
+    configs_a, configs_b = _configs(a), _configs(b)
+    common = sorted(configs_a.keys() & configs_b.keys())
+    if not common:
+        return (f"A plays {', '.join(sorted(configs_a))} and B {', '.join(sorted(configs_b))}; "
+                "compare runs of the same env")
+    first_a, first_b = configs_a[common[0]], configs_b[common[0]]
+    if first_a.seed != first_b.seed:
+        return (f"A ran with --seed {first_a.seed} and B with --seed {first_b.seed}, and the "
+                "seed chooses which tasks the episodes play; rerun B with "
+                f"--seed {first_a.seed} (or more --episodes) to play A's tasks")
+    differ = _settings_differ(first_a, first_b)
+    if differ:
+        return f"their settings differ ({'; '.join(differ)}) and choose other tasks"
+    return "their task ids differ (the env's data changed between them?)"
 
 
 def _compare_env(env_id: str, keys: list[EpisodeKey], a: dict, b: dict) -> EnvComparison:

@@ -26,7 +26,8 @@ MAX_ROLLOUTS_PER_TASK = 1000
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What a run measures: ``episodes`` tasks, each played ``rollouts_per_task`` times.
+    """What a run measures: ``episodes`` episodes, each a task played ``rollouts_per_task``
+    times (past the env's last task, episodes play its tasks again).
 
     ``max_tokens``, ``temperature`` and ``history_window`` are the policy's settings, stated
     here so that they are recorded with the run and a resume cannot mix them; the caller

@@ -92,7 +92,7 @@ def render_report(runs: Sequence[Run], comparisons: Sequence[Compared] = ()) -> 
 def _summary_table(runs: Sequence[Run]) -> str:
     head = ("run", "env", "policy", "episodes", "success [95% CI]", "mean reward [95% CI]",
             "pass@k [95% CI]", "end reasons", "turns", "tokens", "invalid actions",
-            "cut replies", "latency p50 / p95 s", "errors", "directory")
+            "cut replies", "latency p50 / p95 s (episode, reply)", "errors", "directory")
     rows = []
     warnings = []
     for index, run in enumerate(runs):
@@ -102,7 +102,8 @@ def _summary_table(runs: Sequence[Run]) -> str:
         synthetic = " <span class='warn'>(synthetic data)</span>" if s.synthetic else ""
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in (
             f"<a href='#run-{index}'>{index + 1}</a>", _e(s.env_id) + synthetic, _e(s.policy),
-            f"{s.episodes} of {run.config.episodes * run.config.rollouts_per_task}",
+            f"{s.episodes} of {run.config.episodes * run.config.rollouts_per_task}"
+            f" <small>{s.tasks} task{'s' * (s.tasks != 1)}</small>",
             f"{_figure(s.success_rate, '.3f')} [{s.success_low:.3f}, {s.success_high:.3f}]"
             f" <small>{_e(s.success_interval)}</small>",
             f"{_figure(s.mean_reward, '.3f')}{_interval(s.reward_low, s.reward_high)}",
@@ -113,7 +114,9 @@ def _summary_table(runs: Sequence[Run]) -> str:
             f"{_figure(counts.invalid_share, '.2f')} <small>{counts.invalid} of "
             f"{counts.actions}</small>",
             f"{_figure(counts.cut_share, '.2f')} <small>{counts.cut} of {counts.episodes}</small>",
-            f"{_figure(s.latency_p50, '.2f')} / {_figure(s.latency_p95, '.2f')}",
+            f"{_figure(s.latency_p50, '.2f')} / {_figure(s.latency_p95, '.2f')}<br><small>"
+            f"{_figure(s.reply_latency_p50, '.2f')} / {_figure(s.reply_latency_p95, '.2f')}"
+            "</small>",
             str(s.errors), f"<code>{_e(run.path)}</code>",
         )) + "</tr>")
     header = "".join(f"<th>{h}</th>" for h in head)
@@ -124,8 +127,10 @@ def _summary_table(runs: Sequence[Run]) -> str:
         extra = {k: v for k, v in dataclasses.asdict(run.summary()).items()
                  if k not in _SUMMARY_SHOWN and v not in (None, 0, False, {}, [])}
         if extra:
-            others.append(f"<li>run {index + 1}: <code>"
-                          f"{_e(json.dumps(extra, ensure_ascii=False))}</code></li>")
+            figures = "; ".join(f"{name.replace('_', ' ')}: "
+                                f"{json.dumps(value, ensure_ascii=False)}"
+                                for name, value in extra.items())
+            others.append(f"<li>run {index + 1}, more of its summary: {_e(figures)}</li>")
     other_list = f"<ul class='other-figures'>{''.join(others)}</ul>" if others else ""
     warning_list = (f"<ul class='summary-notes'>{''.join(warnings)}</ul>" if warnings else "")
     return (f"<h2>Summary</h2><table id='summary'><thead><tr>{header}</tr></thead>"
@@ -137,6 +142,7 @@ _SUMMARY_SHOWN = frozenset({
     "mean_reward", "mean_turns", "mean_tokens", "latency_p50", "latency_p95", "synthetic",
     "success_interval", "reward_low", "reward_high", "pass_at_k", "end_reasons",
     "rollouts_per_task", "tasks", "notes", "actions", "invalid_actions", "cut_replies",
+    "reply_latency_p50", "reply_latency_p95",
 })
 
 
@@ -186,7 +192,8 @@ def _comparison_section(compared: Compared, index_of: dict[int, int], anchors: _
     parts = [
         "<section class='comparison'><h2>Comparison</h2>",
         f"<p>A = {_e(comparison.label_a)}<br>B = {_e(comparison.label_b)}</p>",
-        "<p class='method'>Episodes are paired by env, task and rollout; the interval is "
+        "<p class='method'>Episodes are paired by env, task and play (a task's rollouts and "
+        "repeats, in order); the interval is "
         "Newcombe's score interval for a difference of paired proportions (method 10, "
         "1998).</p>",
         "<table class='compare'><thead><tr>" + "".join(f"<th>{h}</th>" for h in head)
@@ -207,7 +214,7 @@ def _comparison_section(compared: Compared, index_of: dict[int, int], anchors: _
             links = [f"<a href='#{a}'>{'A' if i in side_a else 'B'}</a>"
                      for i, a in anchors.by_key.get(key, []) if i in side_a | side_b]
             items.append(f"<li>{_e(key[0])} <code>{_e(key[1])}</code>"
-                         f"{f' rollout {key[2]}' if key[2] else ''} {' '.join(links)}</li>")
+                         f"{f' play {key[2]}' if key[2] else ''} {' '.join(links)}</li>")
         parts.append(f"<h3>{title} ({len(keys)})</h3><ul class='flips'>{''.join(items)}</ul>")
     parts.append("</section>")
     return "\n".join(parts)
@@ -313,7 +320,7 @@ def _episode(index: int, run: Run, key: EpisodeKey, record: dict[str, Any],
     opening = max(0, len(transcript) - 2 * stepped - (1 if end == "max_tokens" else 0))
     header = (
         f"<h3>#{number} · task <code>{_e(key[1])}</code>"
-        + (f" · rollout {key[2]}" if key[2] else "")
+        + (f" · rollout {rollout}" if (rollout := int(record.get("rollout") or 0)) else "")
         + f" · <span class='{'ok' if success else 'bad'}'>{'success' if success else 'failure'}"
         f"</span> · reward {float(record.get('reward', 0.0)):g} · end: {_e(end or '(none)')}"
         f" · {turns} turns · {float(record.get('latency_s', 0.0)):.2f} s"

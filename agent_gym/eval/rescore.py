@@ -145,8 +145,8 @@ def format_rescore(result: RescoreResult, out: Path) -> str:
     """What changed, for the terminal."""
     before, after = result.original, result.rescored
     lines = [
-        f"rescored {len(result.episodes)} episodes: {len(result.changed)} changed, "
-        f"{len(result.failed)} not reproducible",
+        f"rescored {len(result.episodes)} episodes of {before.tasks} tasks: "
+        f"{len(result.changed)} changed, {len(result.failed)} not reproducible",
         f"success {_rate(before.success_rate)} -> {_rate(after.success_rate)}, "
         f"mean reward {_rate(before.mean_reward)} -> {_rate(after.mean_reward)}",
     ]

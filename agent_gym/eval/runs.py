@@ -15,11 +15,12 @@ one past the counts of ``config.json`` (an older eval shrank them when rerun wit
 the episodes with the eval's own ``summarize``, so a killed run's report is as current as its
 log.
 
-Episodes are keyed by ``(env_id, task_id, rollout)``, which is what makes two runs
+Episodes are keyed by ``(env_id, task_id, play)``, which is what makes two runs
 comparable: episode ``i`` of two runs with different seeds plays different tasks, the same
-``task_id`` is the same task. ``rollout`` is the record's own when it has one (runs with
-several rollouts per task); otherwise a task's first episode is rollout 0, its next 1, and
-so on, so a run with more episodes than tasks still keys every episode apart.
+``task_id`` is the same task. ``play`` numbers a task's samples: with K rollouts per task,
+the task's first episode holds plays 0..K-1 (its rollouts), an episode that plays it again
+(more episodes than the env has tasks) K..2K-1, and so on, so every episode is keyed
+apart and the n-th play of a task in one run pairs with the n-th in another.
 """
 
 from __future__ import annotations
@@ -126,20 +127,14 @@ def read_run(path: Path) -> Run:
                      "an older agent-gym shrank it); every episode is read")
         config = covered
     episodes: dict[EpisodeKey, dict[str, Any]] = {}
-    seen: dict[tuple[str, str], int] = {}
-    for number in sorted(by_number):
-        record = by_number[number]
+    # Each task's episodes in order: its first plays 0..K-1, its next K..2K-1, and so on.
+    plays: dict[tuple[str, str], dict[int, int]] = {}
+    for episode, rollout in sorted(by_number):
+        record = by_number[episode, rollout]
         task = (config.env_id, record["task_id"])
-        rollout = record.get("rollout")
-        if rollout is None:
-            rollout = seen.get(task, 0)
-        seen[task] = max(seen.get(task, 0), rollout + 1)
-        key = (*task, rollout)
-        if key in episodes:
-            notes.append(f"episode {_named(number)} repeats task {task[1]!r} rollout "
-                         f"{rollout}; skipped")
-            continue
-        episodes[key] = record
+        earlier = plays.setdefault(task, {})
+        repeat = earlier.setdefault(episode, len(earlier))
+        episodes[(*task, repeat * config.rollouts_per_task + rollout)] = record
     errors = read_log(path / ERRORS_FILE, ERROR_SCHEMA)
     notes += errors.notes()
     rescored = {record_key(item): item for item in _read_rescore(path / RESCORE_FILE, notes)}

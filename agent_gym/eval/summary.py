@@ -70,7 +70,8 @@ class ReplyCounts:
             notes.append(
                 f"most actions were invalid ({self.invalid} of {self.actions}): the env "
                 "refused them, so the success rate says little about the task; check that "
-                "the policy calls the tool the way the env's prompt asks"
+                "the policy's replies take the form the env's prompt asks for (a tool call, a "
+                "command or a marked answer, whichever the env takes)"
             )
         return notes
 
@@ -80,10 +81,13 @@ class Summary:
     """A run's figures; those a run with no finished episode cannot have are None (``null``
     in JSON, which has no NaN).
 
-    Intervals are 95%. ``success_low/high`` are Wilson's over episodes with one rollout per
-    task, and with several ``rate_interval`` over tasks (a task's rollouts are not
-    independent draws); ``success_interval`` says which. Every ``pass_at_k`` interval is a
-    ``rate_interval`` too, and ``reward_low/high`` a percentile bootstrap over tasks.
+    ``tasks`` counts distinct tasks and ``episodes`` the episodes that played them: a task
+    played again (more ``--episodes`` than the env has tasks, or rollouts) is more of the
+    same task, not a new one, so ``success_rate`` and ``mean_reward`` weigh each task once
+    and every interval is over tasks. Intervals are 95%. ``success_low/high`` are Wilson's
+    when each task was played once, else ``rate_interval`` over the tasks' success rates;
+    ``success_interval`` says which. Every ``pass_at_k`` interval is a ``rate_interval``
+    too, and ``reward_low/high`` a percentile bootstrap over tasks.
     ``pass_at_k`` maps k to the unbiased estimate of Chen et al. (2021) averaged over the
     tasks with at least k finished rollouts (``tasks``). ``reply_latency`` is seconds per
     policy call (for an ``openai:`` policy: per request to its server, retries included).
@@ -126,26 +130,28 @@ class Summary:
         return ReplyCounts(self.episodes, self.actions, self.invalid_actions, self.cut_replies)
 
 
-def _task_key(record: Mapping[str, Any]) -> tuple[str, int]:
-    """(env, episode): the task a record is a rollout of. The env comes from the saved
-    state, which a run pooled over envs (a suite's overall row) needs; a record whose state
-    is unreadable (``agent-gym rescore`` reports those) still counts under its episode."""
+def _task_key(record: Mapping[str, Any]) -> tuple[str, str]:
+    """(env, task id): the task a record played, whichever episode or rollout played it.
+    The env comes from the saved state, which a run pooled over envs (a suite's overall
+    row) needs; a record whose state is unreadable (``agent-gym rescore`` reports those)
+    still counts under its task id."""
     state = record.get("final_state")
     env_id = state.get("env_id") if isinstance(state, dict) else None
-    return str(env_id), int(record["episode"])
+    return str(env_id), str(record["task_id"])
 
 
 def summarize(
     config: EvalConfig, records: list[dict[str, Any]], errors: int, first_error: str | None = None,
     *, interrupted: bool = False,
 ) -> Summary:
-    """Figures of a run's finished episodes; a task is one (env, episode) and its rollouts
-    are ``config.rollouts_per_task`` samples of it (``overall`` pools tasks of many envs)."""
+    """Figures of a run's finished episodes; a task is one (env, task id), and every episode
+    and rollout that played it is a sample of it (``overall`` pools tasks of many envs)."""
     n = len(records)
-    successes = sum(bool(r["success"]) for r in records)
-    by_task: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    by_task: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         by_task[_task_key(record)].append(record)
+    task_rates = [statistics.fmean(bool(r["success"]) for r in rs) for rs in by_task.values()]
+    task_rewards = [statistics.fmean(r["reward"] for r in rs) for rs in by_task.values()]
     rollouts = config.rollouts_per_task
     pass_k: dict[str, dict[str, float | int | None]] = {}
     for k in range(1, rollouts + 1):
@@ -154,11 +160,11 @@ def summarize(
         low, high = rate_interval(values)
         pass_k[str(k)] = {"estimate": statistics.fmean(values) if values else None,
                           "low": low, "high": high, "tasks": len(values)}
-    if rollouts == 1:
-        low, high = wilson_interval(successes, n)
+    once = len(by_task) == n  # each task played once: independent draws, Wilson's interval
+    if once:
+        low, high = wilson_interval(sum(bool(r["success"]) for r in records), n)
     else:
-        low, high = pass_k["1"]["low"], pass_k["1"]["high"]
-    task_rewards = [statistics.fmean(r["reward"] for r in rs) for rs in by_task.values()]
+        low, high = rate_interval(task_rates)
     reward_low, reward_high = bootstrap_interval(task_rewards) if n else (None, None)
     tokens = [r["completion_tokens"] for r in records if r["completion_tokens"] is not None]
     latencies = [r["latency_s"] for r in records]
@@ -171,10 +177,10 @@ def summarize(
         policy=config.policy,
         episodes=n,
         errors=errors,
-        success_rate=successes / n if n else None,
+        success_rate=statistics.fmean(task_rates) if n else None,
         success_low=float(low),
         success_high=float(high),
-        mean_reward=statistics.fmean(r["reward"] for r in records) if n else None,
+        mean_reward=statistics.fmean(task_rewards) if n else None,
         mean_turns=statistics.fmean(r["turns"] for r in records) if n else None,
         mean_tokens=statistics.fmean(tokens) if tokens else None,
         latency_p50=percentile(latencies, 0.5),
@@ -184,7 +190,7 @@ def summarize(
         first_error=first_error,
         rollouts_per_task=rollouts,
         tasks=len(by_task),
-        success_interval="wilson" if rollouts == 1 else "bootstrap over tasks, Wilson floor",
+        success_interval="wilson" if once else "bootstrap over tasks, Wilson floor",
         reward_low=reward_low,
         reward_high=reward_high,
         pass_at_k=pass_k,
@@ -195,11 +201,23 @@ def summarize(
         ).items())),
         reply_latency_p50=percentile(reply_latencies, 0.5),
         reply_latency_p95=percentile(reply_latencies, 0.95),
-        notes=counts.notes(config.max_tokens) + _notes(config, replies),
+        notes=[*_repeat_notes(records, len(by_task)), *counts.notes(config.max_tokens),
+               *_notes(config, replies)],
         interrupted=interrupted,
         actions=counts.actions,
         invalid_actions=counts.invalid,
     )
+
+
+def _repeat_notes(records: Sequence[Mapping[str, Any]], tasks: int) -> list[str]:
+    """A line when episodes played tasks again (more ``--episodes`` than the env has): the
+    count that reads as "n" is not the count of independent evidence."""
+    episodes = len({(_task_key(r)[0], int(r["episode"])) for r in records})
+    if episodes <= tasks:
+        return []
+    return [f"{episodes} episodes played {tasks} distinct tasks (episodes past the env's "
+            f"tasks play them again): each task counts once in the figures and the "
+            f"interval is over the {tasks} tasks"]
 
 
 def _notes(config: EvalConfig, replies: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -219,18 +237,20 @@ def _notes(config: EvalConfig, replies: Sequence[Mapping[str, Any]]) -> list[str
 
 def format_table(summaries: Sequence[Summary]) -> str:
     """The run table, then (when a run has several rollouts per task) its pass@k table.
+    Episodes and distinct tasks are columns of their own: the interval is over the tasks.
 
     ``invalid`` is the share of actions the env refused, ``cut`` the share of episodes
     ended by the token budget (see ``ReplyCounts``)."""
-    header = ("env", "policy", "n", "success [95% CI]", "reward", "turns", "tokens", "invalid",
-              "cut", "latency p50/p95 s", "reply p50/p95 s", "errors")
+    header = ("env", "policy", "episodes", "tasks", "success [95% CI over tasks]", "reward",
+              "turns", "tokens", "invalid", "cut", "latency p50/p95 s", "reply p50/p95 s",
+              "errors")
     rows = [header]
     for s in summaries:
         counts = s.reply_counts()
         rows.append((
             s.env_id.removeprefix("agent_gym/") + (" (synthetic data)" if s.synthetic else "")
             + (" (interrupted)" if s.interrupted else ""),
-            s.policy, str(s.episodes),
+            s.policy, str(s.episodes), str(s.tasks),
             _figure(s.success_rate, ".2f") + f" [{s.success_low:.2f}, {s.success_high:.2f}]",
             _figure(s.mean_reward, ".3f"), _figure(s.mean_turns, ".1f"),
             _figure(s.mean_tokens, ".0f"),

@@ -165,6 +165,31 @@ def test_a_user_error_prints_no_traceback_from_the_installed_command(tmp_path: P
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
+def test_a_policy_whose_extra_is_missing_says_which_in_one_line(tmp_path: Path) -> None:
+    """`--policy local:...` without the train extra (its PyTRIO SDK stands in for the whole
+    stack, made unimportable before the command runs), as `agent-gym train` words it."""
+    script = ("import sys; sys.modules['pytrio'] = None\n"
+              "from agent_gym.cli.main import main\nsys.exit(main())")
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", script, "eval", GSM8K, "--policy", "local:smollm2",
+         "--episodes", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("agent-gym eval: error: this needs the train extra (")
+    assert "pip install -e '.[train]'" in line and not out.exists()
+
+
+def test_an_import_error_no_extra_mends_keeps_its_traceback() -> None:
+    from agent_gym.cli.parsing import missing_extra
+
+    assert missing_extra(ModuleNotFoundError("No module named 'nope'", name="nope")) is None
+    assert "'search' extra" in str(missing_extra(ImportError("no", name="bm25s")))
+
+
 def test_an_alfworld_split_missing_from_a_data_path_is_refused(tmp_path: Path) -> None:
     (tmp_path / "train").mkdir()
     with pytest.raises(GameError, match="no 'valid_unseen' split"):

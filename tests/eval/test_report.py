@@ -12,7 +12,7 @@ from agent_gym.eval.policies import OraclePolicy, PolicyInput, Reply
 from agent_gym.eval.report import render_report
 from agent_gym.eval.runs import read_run
 from tests.helpers.browser import Browser, chromium_path
-from tests.helpers.eval_runs import WrongOnPolicy, episodes, make_run
+from tests.helpers.eval_runs import WrongOnPolicy, episodes, make_run, write_episodes
 
 CODE = "agent_gym/CodeInterpreter-v0"
 # Where to keep the screenshot beyond the test (benchmarks/results/report.png for the
@@ -148,3 +148,16 @@ def test_several_rollouts_per_task_show_pass_at_k_in_the_summary(tmp_path: Path)
     # Two tasks that always succeed: Wilson's floor for two draws, not a point.
     assert "pass@1 1.000 [0.342, 1.000]<br>pass@2 1.000 [0.342, 1.000]" in page
     assert "bootstrap over tasks, Wilson floor" in page
+
+
+def test_reply_latencies_are_in_the_table_never_a_stray_bullet(tmp_path: Path) -> None:
+    """A reply latency too small to round to 0.00 reached the page as a bare JSON bullet."""
+    make_run(tmp_path, episodes=2)
+    records = episodes(tmp_path)
+    for record in records:
+        for reply in record["replies"]:
+            reply["latency_s"] = 0.0001
+    write_episodes(tmp_path, records)
+    page = render_report([read_run(tmp_path)])
+    assert "reply_latency" not in page and "other-figures" not in page
+    assert "<small>0.00 / 0.00</small>" in page

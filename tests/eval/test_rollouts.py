@@ -110,7 +110,8 @@ def test_rollouts_report_pass_at_k_and_resume_per_rollout(tmp_path: Path) -> Non
 
 def test_summary_groups_rollouts_by_task() -> None:
     def record(episode: int, success: bool) -> dict:
-        return {"episode": episode, "success": success, "reward": float(success), "turns": 1,
+        return {"episode": episode, "task_id": f"t{episode}", "success": success,
+                "reward": float(success), "turns": 1,
                 "completion_tokens": None, "latency_s": 0.1,
                 "final_state": {"env_id": GSM8K}}
 
@@ -126,7 +127,8 @@ def test_summary_groups_rollouts_by_task() -> None:
 def test_tasks_that_all_scored_alike_still_get_an_interval(success: bool) -> None:
     """A bootstrap over 18 identical tasks is a point; the interval must not claim that
     72 episodes pinned the rate down exactly. Its floor counts each task once."""
-    records = [{"episode": e, "success": success, "reward": float(success), "turns": 1,
+    records = [{"episode": e, "task_id": f"t{e}", "success": success,
+                "reward": float(success), "turns": 1,
                 "completion_tokens": None, "latency_s": 0.1, "final_state": {"env_id": GSM8K}}
                for e in range(18) for _ in range(4)]
     summary = summarize(EvalConfig(GSM8K, "p", 18, rollouts_per_task=4), records, errors=0)

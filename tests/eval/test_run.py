@@ -346,6 +346,7 @@ def test_the_table_shows_invalid_actions_and_cut_replies_and_notes_when_they_dom
         ("oracle", "0.00", "0.00"), ("unboxed", "1.00", "0.00"), ("cut", "-", "1.00")]
     assert oracle.notes == []
     assert any(n.startswith("most actions were invalid (3 of 3)") for n in unboxed.notes)
+    assert not any("calls the tool" in n for n in unboxed.notes)  # GSM8K has no tool
     assert any(n.startswith("most replies were cut by --max-tokens 128: raise it")
                for n in cut.notes)
     saved = json.loads((tmp_path / "cut" / "summary.json").read_text())

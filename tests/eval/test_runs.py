@@ -39,13 +39,14 @@ def test_rollouts_key_episodes_apart(tmp_path: Path) -> None:
     write_episodes(run, same_task)
     task = records[0]["task_id"]
     assert list(read_run(run).episodes) == [(GSM8K, task, 0), (GSM8K, task, 1), (GSM8K, task, 2)]
-    # ...and a recorded rollout index is taken as it is, even past the run's rollouts per
-    # task (what an older eval left when rerun with fewer), which the notes say.
+    # ...and a recorded rollout index is kept, even past the run's rollouts per task (what
+    # an older eval left when rerun with fewer), which the notes say; each episode that
+    # plays the task again is its next K plays (K = 6 rollouts, read from the log).
     config = run / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "rollouts_per_task": 5}))
     write_episodes(run, [{**r, "rollout": 5 - i} for i, r in enumerate(same_task)])
     read = read_run(run)
-    assert list(read.episodes) == [(GSM8K, task, 5), (GSM8K, task, 4), (GSM8K, task, 3)]
+    assert list(read.episodes) == [(GSM8K, task, 5), (GSM8K, task, 6 + 4), (GSM8K, task, 12 + 3)]
     assert read.config.rollouts_per_task == 6
     assert read.notes == ["episodes.jsonl holds 1 episode beyond config.json's 3 episodes of 5 "
                           "rollouts (a rerun with fewer --episodes by an older agent-gym shrank "
