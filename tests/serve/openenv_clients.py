@@ -22,13 +22,11 @@ from openenv.core.mcp_client import MCPToolClient
 
 from agent_gym.actions.tools import ToolSpec, parse_tool_call
 from agent_gym.serve.critic import privileged
+from tests.serve.episodes import PRIVILEGED_KEYS
 
 TOKEN = os.environ["AGENT_GYM_TEST_TOKEN"]
 CRITIC = os.environ["AGENT_GYM_TEST_CRITIC"]
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
-# What a policy must never be shown: the info key, and what it holds in the four envs.
-PRIVILEGED_KEYS = ("privileged", "oracle_actions", "reference_answer", "walkthrough",
-                   "gold_passage_ids")
 
 
 def leaks(reply: Any) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.serve_process import ROOT, running_server
+from tests.serve.episodes import SERVED, TOOLS
 
 VENV = ROOT / ".venv-openenv" / "bin"
 pytestmark = pytest.mark.skipif(
@@ -24,22 +25,12 @@ pytestmark = pytest.mark.skipif(
     reason=".venv-openenv is absent: `make setup` builds it (the newest OpenEnv's venv)")
 
 TOKEN, CRITIC = "t0ken-for-the-policy", "critic-s3cret"
-ENVS: dict[str, tuple[str, ...]] = {
-    "agent_gym/GSM8K-v0": ("--env-arg", "max_turns=2"),
-    "agent_gym/CodeInterpreter-v0": ("--env-arg", "max_turns=4"),
-    "agent_gym/Search-v0": ("--env-arg", "max_turns=5"),
-    "agent_gym/ALFWorld-v0": ("--env-arg", "max_turns=12"),
-}
-TOOLS = {"agent_gym/GSM8K-v0": ["answer"],
-         "agent_gym/CodeInterpreter-v0": ["code_interpreter", "answer"],
-         "agent_gym/Search-v0": ["search", "answer"],
-         "agent_gym/ALFWorld-v0": ["alfworld_step", "answer"]}
 SECRETS = {"AGENT_GYM_TEST_TOKEN": TOKEN, "AGENT_GYM_TEST_CRITIC": CRITIC}
 
 
-@pytest.fixture(scope="module", params=list(ENVS))
+@pytest.fixture(scope="module", params=list(SERVED))
 def server(request: pytest.FixtureRequest) -> Any:
-    with running_server(request.param, *ENVS[request.param],
+    with running_server(request.param, *SERVED[request.param],
                         "--token-env", "AGENT_GYM_TEST_TOKEN",
                         "--critic-token-env", "AGENT_GYM_TEST_CRITIC", env=SECRETS) as url:
         yield request.param, url
