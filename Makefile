@@ -22,7 +22,7 @@ TEST_EXTRAS := code,search,train,ray,serve,dev,openenv,trl,verifiers,gem
 
 .PHONY: setup browser test lint run clean latest-venv test-latest lock
 
-setup: $(STAMP) browser
+setup: $(STAMP) browser openenv-venv
 
 # Headless Chromium from Debian's packages, for the HTML report's browser test
 # (tests/eval/test_report.py, which skips, saying why, where none can be installed). Needs root
@@ -44,6 +44,26 @@ $(STAMP): pyproject.toml $(LOCK) Makefile
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/pip install -q --no-deps -r $(LOCK)
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# ---------------------------------------------------------------- the newest OpenEnv's venv
+# verifiers 0.4 pins mcp==2.0.0, which holds the main venv at openenv 0.4.1; the newest
+# OpenEnv's clients drive `agent-gym serve` from a venv of their own beside it
+# (tests/serve/test_openenv_latest.py, which skips without it): openenv and agent-gym's core,
+# installed from their lock as the main venv is, agent-gym editable from this checkout.
+OPENENV_VENV := .venv-openenv
+OPENENV_LOCK := requirements-openenv.lock
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
+
+.PHONY: openenv-venv
+openenv-venv: $(OPENENV_STAMP)
+
+$(OPENENV_STAMP): pyproject.toml $(OPENENV_LOCK) Makefile
+	$(PYTHON) -m venv $(OPENENV_VENV)
+	$(OPENENV_VENV)/bin/pip install -q "$$(grep '^pip==' $(OPENENV_LOCK))"
+	$(OPENENV_VENV)/bin/pip install -q --no-deps -r $(OPENENV_LOCK)
+	$(OPENENV_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $(OPENENV_STAMP)
+# ----------------------------------------------------------------------------------------
 
 # One pytest worker per core, each with one torch thread (tests/conftest.py): the suite's
 # tests are mostly single-threaded, so two workers halve its time on 2 cores.

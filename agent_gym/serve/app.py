@@ -404,7 +404,10 @@ async def serve_frames(
             if session.session_id not in pool.sessions:
                 pool.get(session.session_id)  # raises the reaped-session error
             if kind == "reset":
-                reply = {"type": "observation", "data": await pool.reset(session, data or {})}
+                opening = await pool.reset(session, data or {})
+                if session.attached:  # opened over HTTP: named as /reset's observation is
+                    opening["observation"]["session_id"] = session.session_id
+                reply = {"type": "observation", "data": opening}
             elif kind == "step":
                 outcome = (mcp.step_action(pool, session, data) if mcp.is_mcp_action(data)
                            else pool.step(session, data))

@@ -4,6 +4,8 @@ critic token a ``privileged`` request carries (see ``agent_gym.serve.app``).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import Mapping
 from typing import Any
@@ -18,8 +20,8 @@ OPEN_PATHS = frozenset({"/health"})  # for load balancers and orchestrators' pro
 
 
 class RequireToken:
-    """ASGI middleware: every request but ``OPEN_PATHS`` carries ``Authorization: Bearer
-    <token>``, or is refused before any route sees it.
+    """ASGI middleware: every request but ``OPEN_PATHS`` carries the token in its
+    ``Authorization`` header (``authorized``), or is refused before any route sees it.
 
     At the app's edge rather than in each route, so nothing is left open by being added
     later or by coming from FastAPI itself (the docs and the OpenAPI schema). The header is
@@ -46,9 +48,20 @@ class RequireToken:
             await send({"type": "websocket.close", "code": 1008})
 
     def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """``Bearer <token>``, or HTTP Basic with the token as its password (any user
+        name): what ``requests`` sends from a netrc file by itself, which is how a client
+        that sets no header, ``openenv validate --url``, reaches a server with a token."""
         value = next((value for name, value in headers if name == b"authorization"), b"")
         scheme, _, given = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token)
+        scheme, given = scheme.lower(), given.strip()
+        if scheme == b"basic":
+            try:
+                given = base64.b64decode(given, validate=True).partition(b":")[2]
+            except binascii.Error:
+                return False
+        elif scheme != b"bearer":
+            return False
+        return hmac.compare_digest(given, self.token)
 
 
 def check_critic(config: ServerConfig, data: Any) -> None:

@@ -323,10 +323,12 @@ class SessionPool:
         return payload
 
     async def state(self, session: Session) -> dict[str, Any]:
+        """The episode's state, and the session's id: a WebSocket's client learns it here,
+        to name its session in a critic's ``POST /privileged``."""
         async with session.lock:
             self._check_open(session)
             session.last_active = time.monotonic()
-            return await self.run(session.episode.state)
+            return {**await self.run(session.episode.state), "session_id": session.session_id}
 
     async def privileged(self, session: Session) -> dict[str, Any]:
         """The current episode's privileged info, for a critic (the caller checked its

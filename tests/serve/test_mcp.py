@@ -25,25 +25,14 @@ from agent_gym.actions.tools import ToolSpec, parse_tool_call
 from agent_gym.serve.app import create_app
 from agent_gym.serve.sessions import ServerConfig
 from tests.helpers.serve_process import frame, running_server
+from tests.serve.episodes import PRIVILEGED_KEYS, SERVED, TOOLS
 
 CRITIC = "critic-s3cret"
-ENVS: dict[str, tuple[str, ...]] = {
-    "agent_gym/GSM8K-v0": ("--env-arg", "max_turns=2"),
-    "agent_gym/CodeInterpreter-v0": ("--env-arg", "max_turns=4"),
-    "agent_gym/Search-v0": ("--env-arg", "max_turns=5"),
-    "agent_gym/ALFWorld-v0": ("--env-arg", "max_turns=12"),
-}
-TOOLS = {"agent_gym/GSM8K-v0": ["answer"],
-         "agent_gym/CodeInterpreter-v0": ["code_interpreter", "answer"],
-         "agent_gym/Search-v0": ["search", "answer"],
-         "agent_gym/ALFWorld-v0": ["alfworld_step", "answer"]}
-PRIVILEGED_KEYS = ("privileged", "oracle_actions", "reference_answer", "walkthrough",
-                   "gold_passage_ids")
 
 
-@pytest.fixture(scope="module", params=list(ENVS))
+@pytest.fixture(scope="module", params=list(SERVED))
 def server(request: pytest.FixtureRequest) -> Any:
-    with running_server(request.param, *ENVS[request.param], "--critic-token-env",
+    with running_server(request.param, *SERVED[request.param], "--critic-token-env",
                         "AGENT_GYM_TEST_CRITIC", env={"AGENT_GYM_TEST_CRITIC": CRITIC}) as url:
         yield request.param, url
 

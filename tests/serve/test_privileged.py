@@ -4,11 +4,13 @@ app; OpenEnv's client and Remote-v0 drive real servers in test_app.py and test_r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -156,3 +158,42 @@ def test_serve_takes_the_critic_token_from_the_environment_and_refuses_bad_ones_
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and words in lines[0], lines
     assert len(uvicorn_runs) == 1
+
+
+def test_a_critic_beside_a_websocket_client_names_its_session_from_public_replies() -> None:
+    """The session id a critic's `POST /privileged` needs: in every session's `state`
+    reply, and in the reset observation of a session opened over HTTP that a WebSocket
+    attached to (how openenv 0.4.2+'s MCP client plays). `agent_gym.serve.critic` asks with
+    it over plain HTTP, while the client's connection goes on."""
+    from websockets.sync.client import connect
+
+    from agent_gym.serve.critic import privileged, privileged_sync
+    from agent_gym.serve.remote import RemoteEnvError
+    from tests.helpers.serve_process import frame, running_server
+
+    with running_server("agent_gym/GSM8K-v0", "--critic-token-env", "AGENT_GYM_TEST_CRITIC",
+                        env={"AGENT_GYM_TEST_CRITIC": CRITIC}) as url:
+        ws_url = url.replace("http", "ws") + "/ws"
+        with connect(ws_url) as ws:
+            ws.send(frame("reset", {"index": 0}))
+            assert "session_id" not in json.loads(ws.recv())["data"]["observation"]
+            ws.send(frame("state"))
+            session = json.loads(ws.recv())["data"]["session_id"]
+            answers = privileged_sync(url, session, CRITIC)
+            assert answers["oracle_actions"] == ["The answer is \\boxed{31}."]
+            with pytest.raises(RemoteEnvError, match="critic token") as refused:
+                privileged_sync(url.replace("http", "ws"), session, "guess")
+            assert refused.value.code == "UNAUTHORIZED"
+            ws.send(frame("step", {"text": answers["oracle_actions"][0]}))
+            assert json.loads(ws.recv())["data"]["reward"] == 1.0
+        with pytest.raises(RemoteEnvError) as gone:
+            privileged_sync(url, session, CRITIC)
+        assert gone.value.code == "SESSION_ERROR"
+
+        opened = httpx.post(f"{url}/mcp", json={"jsonrpc": "2.0", "id": 1,
+                                                "method": "openenv/session/create"})
+        session = opened.json()["result"]["session_id"]
+        with connect(f"{ws_url}?session_id={session}") as ws:
+            ws.send(frame("reset", {"index": 1}))
+            assert json.loads(ws.recv())["data"]["observation"]["session_id"] == session
+            assert asyncio.run(privileged(url, session, CRITIC))["oracle_actions"]
