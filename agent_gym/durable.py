@@ -37,8 +37,9 @@ Content = bytes | str | Callable[[BinaryIO], None]
 
 
 class NotRegularFileError(OSError):
-    """A file to read is a FIFO, a device or a directory: reading it could wait or run
-    forever, so it is refused before a byte is read."""
+    """A file to read or replace is a FIFO, a device or a directory: reading it could wait
+    or run forever, and replacing it would put a file where the node was, so it is refused
+    before a byte is read or written."""
 
 
 class AppendError(OSError):
@@ -61,7 +62,15 @@ def replace_file(path: Path, content: Content, *, mode: int | None = None) -> No
     so the rename survives a power cut too. A writer killed before the rename leaves its
     temporary (a dot file ending ``.tmp``) beside ``path``, which no reader of ``path``
     ever opens. ``mode`` sets the file's permissions (else they follow the umask).
+
+    A ``path`` that is there and is neither a regular file nor a symlink (a device, a FIFO,
+    a socket, a directory) is refused with ``NotRegularFileError`` before a byte is
+    written: the rename would have put a regular file where the node was (as root,
+    ``--out /dev/null`` left a file there that every other program then wrote into), and
+    writing through instead keeps none of the promises above (a FIFO without a reader
+    waits forever, ``/dev/full`` fails). A symlink is itself replaced, never its target.
     """
+    refuse_special(path)
     temporary = None
     try:
         while temporary is None:
@@ -89,6 +98,48 @@ def replace_file(path: Path, content: Content, *, mode: int | None = None) -> No
     finally:
         if temporary is not None:
             temporary.unlink(missing_ok=True)
+
+
+def refuse_special(path: Path) -> None:
+    """``NotRegularFileError`` when ``path`` exists and is neither a regular file nor a
+    symlink: what ``replace_file`` will not rename over (see there)."""
+    try:
+        kind = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(kind) or stat.S_ISLNK(kind)):
+        raise NotRegularFileError(f"{path} is not a regular file (a device, FIFO, socket or "
+                                  "directory); give the path of a file to write")
+
+
+def set_aside(path: Path, label: str = "damaged") -> Path:
+    """Rename ``path`` (a file or a directory) to a free sibling name ``NAME.LABEL``, or
+    ``NAME.LABEL-2`` and on, and return it: what a reader cannot trust is moved out of the
+    way of the next run, never deleted, and never moved over an earlier one set aside.
+    Two processes setting aside at once could pick one free name; the rename of a file
+    then replaces, so names are taken with a hard link first where the system allows."""
+    for number in range(1, 10_000):
+        candidate = path.with_name(f"{path.name}.{label}" + (f"-{number}" if number > 1 else ""))
+        if os.path.lexists(candidate):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            try:
+                os.mkdir(candidate)  # the name is ours: rename over an empty directory
+            except FileExistsError:
+                continue
+            os.rename(path, candidate)
+        else:
+            try:
+                os.link(path, candidate, follow_symlinks=False)
+            except FileExistsError:
+                continue
+            except OSError:  # no hard links here: the check above has to do
+                os.rename(path, candidate)
+            else:
+                os.unlink(path)
+        sync_directory(path.parent)
+        return candidate
+    raise FileExistsError(f"no free name to set {path} aside as {path.name}.{label}-N")
 
 
 def sync_directory(directory: Path) -> None:

@@ -12,8 +12,8 @@ word. The file is a cache: a damaged or unreadable one is reported once and then
 and the store goes on in memory.
 
 Keys of different uses never meet: each use has its own table. ``code_fingerprint``
-changes with any edit of this package or of the engines' versions, so entries written by
-other code are never read back as this code's results.
+changes with any edit of this package (its code or its data files) or of the engines'
+versions, so entries written by other code are never read back as this code's results.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sqlite3
 import threading
 import time
 import warnings
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,30 @@ MAX_FILE_ROWS = 200_000  # per table; the oldest written go first
 _PRUNE_EVERY = 1024  # writes between two prunes of the file
 BUSY_SECONDS = 30.0  # how long a process waits for another's write
 _TABLE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz_")
+# The most an entry may take, as stored and once inflated: far past any (an ALFWorld game's
+# translation is a few hundred KB). A 1 MB record inflating to 1 GB cost a restore 2.1 GB.
+MAX_ENTRY_BYTES = 16 * 2**20
+MAX_INFLATED_BYTES = 64 * 2**20
+
+
+def deflate(data: bytes) -> bytes:
+    """``data`` compressed for the store (fast: entries are written on the env's path)."""
+    return zlib.compress(data, 1)
+
+
+def inflate(entry: bytes, limit: int | None = None) -> bytes:
+    """An entry from ``deflate`` decompressed, refused (``zlib.error``) past ``limit`` bytes
+    (default ``MAX_INFLATED_BYTES``) or short of its end: the file is written by this host
+    but read as untrusted, so a record never costs more memory than the bound, whatever it
+    claims to hold."""
+    limit = MAX_INFLATED_BYTES if limit is None else limit
+    decompressor = zlib.decompressobj()
+    data = decompressor.decompress(entry, limit + 1)
+    if len(data) > limit or decompressor.unconsumed_tail:
+        raise zlib.error(f"a stored entry inflates to more than {limit:,} bytes")
+    if not decompressor.eof or decompressor.unused_data:
+        raise zlib.error("a stored entry is cut or has bytes after its end")
+    return data
 
 
 class HostStore:
@@ -59,7 +84,8 @@ class HostStore:
         self._broken = False
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        """The entries found among ``keys`` (memory first, then the file)."""
+        """The entries found among ``keys`` (memory first, then the file, where one longer
+        than ``MAX_ENTRY_BYTES`` counts as missing)."""
         keys = list(dict.fromkeys(keys))
         with self._lock:
             found = {key: self._memory[key] for key in keys if key in self._memory}
@@ -70,8 +96,9 @@ class HostStore:
                     for start in range(0, len(missing), 500):  # SQLite's bound-variable limit
                         chunk = missing[start:start + 500]
                         marks = ",".join("?" * len(chunk))
-                        rows = db.execute(
-                            f"SELECT key, value FROM {self.table} WHERE key IN ({marks})", chunk
+                        rows = db.execute(  # an entry past the bound is never read
+                            f"SELECT key, value FROM {self.table} WHERE key IN ({marks}) "
+                            "AND length(value) <= ?", [*chunk, MAX_ENTRY_BYTES]
                         ).fetchall()
                         found.update((str(key), bytes(value)) for key, value in rows)
                 except sqlite3.Error as err:
@@ -187,15 +214,12 @@ ENGINE_PACKAGES = ("textworld", "alfworld", "fast-downward-textworld", "gymnasiu
 
 
 def code_fingerprint() -> str:
-    """A digest of this package's source and of the engines' versions: results computed
-    by any other code never share keys with this code's."""
+    """A digest of every file of this package (its code and the data it ships, such as the
+    ALFWorld packs) and of the engines' versions: results computed by any other code or
+    data never share keys with this code's."""
     global _CODE_FINGERPRINT
     if _CODE_FINGERPRINT is None:
-        hasher = hashlib.sha256()
-        root = Path(__file__).resolve().parent  # the package: this module sits at its top
-        for source in sorted(root.rglob("*.py")):
-            hasher.update(source.relative_to(root).as_posix().encode())
-            hasher.update(source.read_bytes())
+        hasher = hashlib.sha256(tree_digest(Path(__file__).resolve().parent).encode())
         for package in ENGINE_PACKAGES:
             try:
                 version = importlib.metadata.version(package)
@@ -204,3 +228,21 @@ def code_fingerprint() -> str:
             hasher.update(f"{package}={version};".encode())
         _CODE_FINGERPRINT = hasher.hexdigest()
     return _CODE_FINGERPRINT
+
+
+def tree_digest(root: Path) -> str:
+    """The SHA-256 of every file under ``root`` by its relative path, but Python's byte
+    code caches and hidden files (a writer's temporary). Only *.py files were hashed, so a
+    data file the results depend on could change under the same key; and each path and
+    content goes in with its length, so no two trees of different files hash alike."""
+    hasher = hashlib.sha256()
+    for source in sorted(root.rglob("*")):
+        relative = source.relative_to(root)
+        if (not source.is_file() or "__pycache__" in relative.parts
+                or any(part.startswith(".") for part in relative.parts)):
+            continue
+        name = relative.as_posix().encode("utf-8", "surrogateescape")
+        content = source.read_bytes()
+        hasher.update(b"%d:%s%d:" % (len(name), name, len(content)))
+        hasher.update(content)
+    return hasher.hexdigest()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -21,7 +22,9 @@ from agent_gym.durable import (
     open_regular,
     read_jsonl,
     replace_file,
+    set_aside,
 )
+from tests.helpers.nodes import special_nodes
 
 
 def _temporaries(directory: Path) -> list[str]:
@@ -165,3 +168,32 @@ def test_a_fifo_is_refused_before_a_byte_is_read(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(NotRegularFileError, match="not a regular file"):
         open_regular(fifo)
+
+
+def test_a_device_or_fifo_is_never_replaced_by_a_file(tmp_path: Path) -> None:
+    """As root, ``view --out /dev/null`` renamed a report over the device node."""
+    for node in special_nodes(tmp_path):
+        kind = stat.S_IFMT(os.lstat(node).st_mode)
+        with pytest.raises(NotRegularFileError, match="not a regular file"):
+            replace_file(node, "report")
+        assert stat.S_IFMT(os.lstat(node).st_mode) == kind
+    assert _temporaries(tmp_path) == []
+    # A symlink is replaced itself, its target untouched (the device behind it included).
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    replace_file(tmp_path / "link", "report")
+    assert (tmp_path / "link").read_text() == "report" and stat.S_ISFIFO(
+        os.lstat(tmp_path / "fifo").st_mode)
+
+
+def test_what_is_set_aside_is_renamed_never_over_an_earlier_one(tmp_path: Path) -> None:
+    journal, index = tmp_path / "rollouts.sqlite", tmp_path / "index"
+    for text in ("first", "second"):
+        journal.write_text(text)
+        index.mkdir()
+        (index / "meta.json").write_text(text)
+        set_aside(journal)
+        set_aside(index)
+    assert (tmp_path / "rollouts.sqlite.damaged").read_text() == "first"
+    assert (tmp_path / "rollouts.sqlite.damaged-2").read_text() == "second"
+    assert (tmp_path / "index.damaged-2" / "meta.json").read_text() == "second"
+    assert not journal.exists() and not index.exists()

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tracemalloc
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import agent_gym
 from agent_gym.hoststore import (
     STORE_PATH_ENV,
     HostStore,
     code_fingerprint,
     default_path,
+    deflate,
     host_store,
+    inflate,
+    tree_digest,
 )
 
 
@@ -107,3 +117,66 @@ def test_table_names_are_plain_and_the_code_fingerprint_is_stable() -> None:
     with pytest.raises(ValueError, match="table names"):
         HostStore("x; DROP TABLE y")
     assert code_fingerprint() == code_fingerprint() and len(code_fingerprint()) == 64
+
+
+def test_an_entry_inflates_within_its_bound_or_is_refused() -> None:
+    """A 1 MB record inflating to 1 GB cost a restore 2.1 GB: inflating stops at the bound."""
+    assert inflate(deflate(b"frame" * 1000)) == b"frame" * 1000
+    bomb = zlib.compress(bytes(8 * 2**20), 9)  # 8 KB of zeros' worth of a bomb
+    tracemalloc.start()
+    try:
+        with pytest.raises(zlib.error, match="more than 1,048,576 bytes"):
+            inflate(bomb, limit=2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * 2**20, peak
+    with pytest.raises(zlib.error, match="cut"):
+        inflate(deflate(b"frame" * 1000)[:-4])
+
+
+def test_an_entry_stored_past_the_bound_is_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "store.sqlite"
+    HostStore("things", path).put("big", bytes(4096))
+    monkeypatch.setattr("agent_gym.hoststore.MAX_ENTRY_BYTES", 1024)
+    assert HostStore("things", path).get("big") is None
+
+
+def _fingerprint_of(package: Path) -> str:
+    """``code_fingerprint`` as a process importing ``package`` (a copy of agent_gym)
+    computes it."""
+    done = subprocess.run(
+        [sys.executable, "-c", "from agent_gym.hoststore import code_fingerprint as f; print(f())"],
+        env={**os.environ, "PYTHONPATH": str(package.parent)}, cwd=package.parent,
+        capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout.strip()
+
+
+def test_the_key_changes_with_an_engine_file_and_a_data_file_of_the_package(
+    tmp_path: Path
+) -> None:
+    """Stored results (rewards included) of old code were served as the new code's when
+    the key missed an edited source."""
+    package = tmp_path / "agent_gym"
+    shutil.copytree(Path(agent_gym.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    before = _fingerprint_of(package)
+    assert _fingerprint_of(package) == before  # stable, byte code written or not
+    engine = package / "alfworld" / "engine.py"
+    engine.write_text(engine.read_text() + "\n# an edit\n")
+    edited = _fingerprint_of(package)
+    pack = package / "datasets" / "alfworld" / "large" / "large_test.jsonl.xz"
+    pack.write_bytes(pack.read_bytes() + b"\0")
+    assert len({before, edited, _fingerprint_of(package)}) == 3
+
+
+def test_files_are_framed_so_moved_bytes_change_the_key(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    (one / "a.py").write_text("b.py")
+    (two / "a.py").write_text("")
+    (two / "b.py").write_text("")
+    assert tree_digest(one) != tree_digest(two)

@@ -47,6 +47,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent_gym import untrusted
 from agent_gym.extras import install_hint
 
 try:
@@ -65,7 +66,7 @@ except ModuleNotFoundError as err:  # the engine is an optional extra
         name=err.name,
     ) from err
 
-from agent_gym.hoststore import HostStore, code_fingerprint, host_store
+from agent_gym.hoststore import HostStore, code_fingerprint, deflate, host_store, inflate
 
 _LOCK = threading.RLock()
 _SPARE_LIBRARIES: list[Any] = []  # libdownward copies of closed engines, ready for reuse
@@ -129,6 +130,17 @@ _LOGICS: OrderedDict[str, Any] = OrderedDict()  # grammar digest -> textworld Ga
 _TRANSLATIONS: OrderedDict[str, _Translation] = OrderedDict()  # game digest -> translation
 
 
+def _stored_json(entry: bytes | None) -> Any:
+    """A host-store entry inflated (bounded) and parsed, or None when it is missing or does
+    not read: the caller then computes it again, as for a new game."""
+    if entry is None:
+        return None
+    try:
+        return untrusted.loads(inflate(entry))
+    except (zlib.error, ValueError):
+        return None
+
+
 def game_key(game: Mapping[str, Any]) -> str:
     """The digest of a game's content (domain, problem, grammar) and of the code that
     plays it: what the caches of translations and start frames are keyed by."""
@@ -183,18 +195,20 @@ class _PddlEnv(PddlEnv):
             translation = _TRANSLATIONS[self.key]
         else:
             domain, problem = data["pddl_domain"], data["pddl_problem"]
-            if stored is not None:
-                texts = json.loads(zlib.decompress(stored))
+            texts = _stored_json(stored)
+            if isinstance(texts, dict) and isinstance(texts.get("sas"), str) \
+                    and isinstance(texts.get("sas_replan"), str):
                 translation = _Translation(_parse(domain, problem), texts["sas"],
                                            texts["sas_replan"])
             else:
+                stored = None  # missing or unreadable: translated again, and stored anew
                 task, sas = fast_downward.pddl2sas(domain, problem)
                 _, sas_replan = fast_downward.pddl2sas(domain, problem, optimize=True)
                 translation = _Translation(task, sas, sas_replan)
             _kept(_TRANSLATIONS, self.key, translation)
         if stored is None:  # this store (its file) may be new to a game the process knows
             texts = {"sas": translation.sas, "sas_replan": translation.sas_replan}
-            self._store.put("sas:" + self.key, zlib.compress(json.dumps(texts).encode(), 1))
+            self._store.put("sas:" + self.key, deflate(json.dumps(texts).encode()))
         return translation
 
     def _start_state(self) -> Any:
@@ -309,16 +323,18 @@ class Engine:
         with _exclusive():
             self._env.load(dict(game))  # through the wrappers: they name the objects
             self._core.begin()
-            stored = self._store.get("start:" + self._core.key)
-            if stored is None:
+            start = _stored_json(self._store.get("start:" + self._core.key))
+            if not (isinstance(start, list) and len(start) == 3 and isinstance(start[0], str)
+                    and isinstance(start[1], list) and all(isinstance(c, str) for c in start[1])
+                    and isinstance(start[2], bool)):
                 state = self._core.describe(None)
                 self._frame = self._read(state)
                 self._view = _View(state, self._core._pddl_state._operators)
                 start = [self._frame.feedback, list(self._frame.admissible), self._frame.won]
                 self._store.put("start:" + self._core.key,
-                                zlib.compress(json.dumps(start).encode("utf-8"), 1))
+                                deflate(json.dumps(start).encode("utf-8")))
             else:
-                feedback, admissible, won = json.loads(zlib.decompress(stored))
+                feedback, admissible, won = start
                 self._frame = Frame(feedback, tuple(admissible), won)
                 self._view = _View()
         self.generation += 1

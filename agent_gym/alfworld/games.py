@@ -58,6 +58,13 @@ LARGE_DIGESTS = {
     "large_train": "04c1b2e7fa641033f6dd2e34e5809fca253b8e315f693ce5c413cad10af4fbea",
     "large_test": "41bdbbebe4d31c033fd3b21511e40438dbb1c38aad7c2e1f33d02142b82f247b",
 }
+# The most a pack may decompress to: four times the larger shipped split (18.6 MB). A pack
+# is checked by the digest of its content, so without a bound a 228 KB xz of 1.5 GB of
+# zeros was inflated whole (a MemoryError) before any check could refuse it.
+MAX_PACK_BYTES = 80 * 2**20
+# What the decoder may allocate: a stream names its own dictionary (up to 1.5 GB); the
+# shipped packs are xz -9 (a 64 MB dictionary).
+PACK_MEMLIMIT = 128 * 2**20
 _SOLVABLE = re.compile(rb'"solvable"\s*:\s*true')
 _RESTORE = "reinstall agent-gym or restore the file from its repository"
 
@@ -227,7 +234,7 @@ def _read_pack(
 ) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """The stat fields are only part of the cache key: a changed file is read again."""
     try:
-        content = lzma.decompress(path.read_bytes())
+        content = _inflate_pack(path)
     except (OSError, lzma.LZMAError, EOFError) as err:
         raise GameError(f"cannot read pack {path} ({err}): it is damaged; {_RESTORE}") from err
     got = hashlib.sha256(content).hexdigest()
@@ -239,6 +246,29 @@ def _read_pack(
         record = json.loads(line)
         games[record["task_id"]] = (record["game"], record["traj"])
     return games
+
+
+def _inflate_pack(path: Path) -> bytes:
+    """The pack's content, decompressed a bounded chunk at a time and refused (``EOFError``,
+    ``LZMAError``) past ``MAX_PACK_BYTES``, past ``PACK_MEMLIMIT`` of decoder memory, or
+    short of its end: memory stays within the bounds whatever the file claims to hold."""
+    limit = MAX_PACK_BYTES
+    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ, memlimit=PACK_MEMLIMIT)
+    parts: list[bytes] = []
+    size = 0
+    with path.open("rb") as handle:
+        while not decompressor.eof:
+            data = handle.read(1 << 16) if decompressor.needs_input else b""
+            if not data and decompressor.needs_input:
+                raise EOFError("the compressed data ends early")
+            part = decompressor.decompress(data, limit + 1 - size)
+            size += len(part)
+            if size > limit:
+                raise lzma.LZMAError(f"it decompresses to more than {limit:,} bytes")
+            parts.append(part)
+        if decompressor.unused_data or handle.read(1):
+            raise lzma.LZMAError("bytes follow the compressed data")
+    return b"".join(parts)
 
 
 def task_description(traj: dict[str, Any]) -> str:

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from agent_gym.env.state import EnvState
 from agent_gym.env.types import Transition
-from agent_gym.hoststore import HostStore, code_fingerprint
+from agent_gym.hoststore import HostStore, code_fingerprint, deflate, inflate
 
 
 class PrefixKey(NamedTuple):
@@ -165,7 +165,7 @@ class PrefixIndex:
                               ensure_ascii=False)
         except (TypeError, ValueError):  # an info that is not JSON: this step is not kept
             return
-        self._store.put(self._chain[-1], zlib.compress(text.encode("utf-8", "surrogatepass"), 1))
+        self._store.put(self._chain[-1], deflate(text.encode("utf-8", "surrogatepass")))
 
     def remember(self, snapshot: object, path: list[Transition], size: int) -> None:
         """Keep the engine's snapshot after the current prefix, whose transitions are
@@ -218,7 +218,7 @@ class PrefixIndex:
             if key not in found:
                 break
             try:
-                entry = json.loads(zlib.decompress(found[key]).decode("utf-8", "surrogatepass"))
+                entry = json.loads(inflate(found[key]).decode("utf-8", "surrogatepass"))
                 recorded.append((_transition_from_json(entry["transition"]), entry["move"]))
             except (ValueError, KeyError, TypeError, zlib.error):  # damaged: stop there
                 break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -48,7 +49,8 @@ class MixtureEnv(gymnasium.Env[str, str]):
         members: a list of ``{"env_id": ..., "env_kwargs": {...}, "weight": w}``; each
             ``env_id`` a registered agent_gym env that saves states (not a mixture, not a
             remote client), ``env_kwargs`` optional, ``weight`` a positive number
-            (default 1).
+            (default 1). Only the weights' ratios matter: weights whose sum would
+            overflow are kept divided by the largest.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 1}  # noqa: RUF012 (Gymnasium's shape)
@@ -67,7 +69,7 @@ class MixtureEnv(gymnasium.Env[str, str]):
         except BaseException:
             self.close()
             raise
-        self.weights = [spec.weight for spec in specs]
+        self.weights = _relative(specs)
         self._offsets = np.cumsum([0, *(env.num_tasks for env in self.members)])
         self.max_turns = max(env.max_turns for env in self.members)
         self.observation_space = UnicodeText(max(_length(env.observation_space)
@@ -214,10 +216,40 @@ def _member_spec(position: int, member: object) -> Member:
         raise ValueError(f"{where}: env_kwargs must be an object of constructor arguments")
     if "render_mode" in kwargs:
         raise ValueError(f"{where}: render_mode is the mixture's argument, not a member's")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) \
-            or not math.isfinite(weight) or weight <= 0:
-        raise ValueError(f"{where}: weight must be a positive number, got {weight!r}")
-    return Member(env_id, dict(kwargs), float(weight))
+    try:  # an int past a float's range (10**400) is no weight a draw can use
+        number = float(weight) if not isinstance(weight, bool) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not isinstance(weight, int | float) or not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{where}: weight must be a positive number below {sys.float_info.max:.3g}"
+                         f", got {_shown(weight)}")
+    return Member(env_id, dict(kwargs), number)
+
+
+def _relative(specs: Sequence[Member]) -> list[float]:
+    """The members' weights, divided by the largest when their sum would overflow: each one
+    finite could still sum to infinity (two at 1e308), and every draw divided by that sum
+    and failed. Weights that sum finitely are kept as given, as reports show them. A weight
+    so small beside the largest that it divides to 0 would never be drawn: refused."""
+    weights = [spec.weight for spec in specs]
+    if math.isfinite(sum(weights)):
+        return weights
+    largest = max(weights)
+    relative = [weight / largest for weight in weights]
+    for position, (weight, share) in enumerate(zip(weights, relative, strict=True)):
+        if share <= 0:
+            raise ValueError(f"mixture member {position}: weight {weight!r} is too small "
+                             f"beside {largest!r} to ever be drawn")
+    return relative
+
+
+def _shown(weight: object) -> str:
+    """A weight as an error shows it, in bounded length and time (Python refuses to print
+    an int of more than 4300 digits at all)."""
+    if isinstance(weight, int) and weight.bit_length() > 64:
+        return f"an integer of {weight.bit_length()} bits"
+    text = repr(weight)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _build(position: int, spec: Member, render_mode: str | None) -> TextEnv:

@@ -184,10 +184,15 @@ def check_output(out: Path, runs: Sequence[Run], allowed: str | None = None) -> 
     """Refuse ``out`` as the file a command writes when it is a directory or would land on
     a file of a run the command reads (``RUN_FILES``, but ``allowed``): by its path, through
     any symlink, or as another name (a hard link) of one. ``view --out RUN/episodes.jsonl``
-    wrote a report over the very log it showed."""
+    wrote a report over the very log it showed. A device or FIFO is refused too, before
+    the work: the file is replaced whole, which would leave a file where the node was
+    (``durable.replace_file`` refuses it again, should one appear in the meantime)."""
     if out.is_dir():
         raise RunDirError(f"{out} is a directory; give the file to write, such as "
                           f"{out / 'report.html'}")
+    if out.exists() and not out.is_file():  # through links: the file written is the target
+        raise RunDirError(f"{out} is not a regular file (a device, FIFO or socket), which a "
+                          "report would replace; give the path of a file to write")
     try:
         target = out.resolve()
     except (OSError, RuntimeError) as err:  # a symlink loop

@@ -2,8 +2,15 @@
 
 On disk an index directory holds bm25s's sparse score matrix, a `passages.jsonl` store with an
 `offsets.npy` line table (so a loaded index keeps passages on disk, not in RAM), and
-`meta.json` recording the corpus fingerprint and the tokenizer settings. The fingerprint goes
-into the backend `name`, so cached responses and saved episodes never mix two corpora.
+`meta.json` recording the corpus fingerprint, the tokenizer settings and the SHA-256 of every
+other file of the index. The fingerprint goes into the backend `name`, so cached responses
+and saved episodes never mix two corpora.
+
+An index is loaded only once each of its files has the digest recorded when it was built:
+the corpus's digest says nothing of the index made from it, and a passage edited in a
+cached index was served to the agent while the data set's digests passed. An index in the
+cache that fails (or predates the record) is set aside and built again from its corpus;
+one named by the user is refused in one line.
 """
 
 from __future__ import annotations
@@ -12,15 +19,19 @@ import hashlib
 import json
 import logging
 import mmap
+import os
 import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from agent_gym import untrusted
+from agent_gym.durable import open_regular, set_aside
 from agent_gym.extras import install_hint
 from agent_gym.search.passages import CorpusError, Passage, check_batch, iter_corpus
 
@@ -29,6 +40,12 @@ _TOKEN_PATTERN = r"(?u)\b\w\w+\b"
 _META = "meta.json"
 _PASSAGES = "passages.jsonl"
 _OFFSETS = "offsets.npy"
+_MAX_META_BYTES = 2**20  # meta.json is a few hundred bytes
+_SHA256 = frozenset("0123456789abcdef")
+
+
+class DamagedIndexError(CorpusError):
+    """An index directory whose files are not the ones recorded when it was built."""
 
 
 def _bm25s() -> Any:
@@ -95,16 +112,8 @@ class BM25Index:
 
     def __init__(self, directory: str | Path, *, mmap: bool = True) -> None:
         self.directory = Path(directory)
-        meta_path = self.directory / _META
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"no BM25 index in {self.directory} (missing {_META})")
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT:
-            raise ValueError(
-                f"index {self.directory} has format {self.meta.get('format')}, expected {FORMAT}; "
-                "rebuild it with `agent-gym search index`"
-            )
-        self.num_docs = int(self.meta["num_docs"])
+        self.meta: dict[str, Any] = check_index(self.directory)
+        self.num_docs = self.meta["num_docs"]
         self.name = f"bm25-v{FORMAT}:{self.meta['corpus_sha256'][:16]}"
         self._retriever = _bm25s().BM25.load(
             str(self.directory), mmap=mmap, show_progress=False, verbosity=0
@@ -206,6 +215,59 @@ def shared_index(directory: str | Path) -> SharedIndex:
     return SharedIndex(key, index)
 
 
+def check_index(directory: Path) -> dict[str, Any]:
+    """``directory``'s ``meta.json``, once it is schema-checked and every file of the index
+    has the SHA-256 it records (``DamagedIndexError`` naming the first that does not).
+    Linear in the index's size; done once per process for an unchanged ``meta.json``."""
+    meta_path = directory / _META
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"no BM25 index in {directory} (missing {_META})")
+    rebuild = "rebuild it with `agent-gym search index --force`"
+    try:
+        with open_regular(meta_path) as handle:
+            meta = untrusted.loads(handle.read(_MAX_META_BYTES + 1))
+    except (OSError, untrusted.UntrustedJSONError) as err:
+        raise DamagedIndexError(f"{meta_path} cannot be read ({err}); {rebuild}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise DamagedIndexError(f"index {directory} has format {found!r}, expected {FORMAT}; "
+                                f"{rebuild}")
+    files = meta.get("files")
+    if not (isinstance(files, dict) and _OFFSETS in files and _PASSAGES in files
+            and all(isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256
+                    for digest in files.values())
+            and type(meta.get("num_docs")) is int and meta["num_docs"] > 0
+            and isinstance(meta.get("corpus_sha256"), str)):
+        raise DamagedIndexError(f"{meta_path} does not record the digests of the index's "
+                                f"files (built by an older agent-gym, or edited); {rebuild}")
+    present = sorted(p.name for p in directory.iterdir() if p.name != _META)
+    if present != sorted(files):
+        raise DamagedIndexError(f"index {directory} holds {present}, not the files it was "
+                                f"built with ({sorted(files)}); {rebuild}")
+    for name, want in sorted(files.items()):
+        if _verified_sha256(directory / name) != want:
+            raise DamagedIndexError(f"{directory / name} does not have the SHA-256 recorded "
+                                    f"when the index was built: it changed since; {rebuild}")
+    return meta
+
+
+# Digests of index files this process checked, by the file's identity: an env per slot
+# loads the same index, and hashing it is linear in its size.
+_VERIFIED: dict[tuple[str, int, int, int], str] = {}
+
+
+def _verified_sha256(path: Path) -> str:
+    with open_regular(path) as handle:
+        stat = os.fstat(handle.fileno())
+        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in _VERIFIED:
+            digest = hashlib.sha256()
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+            _VERIFIED[key] = digest.hexdigest()
+    return _VERIFIED[key]
+
+
 def _write_index(corpus: Path, out: Path, sha: str) -> None:
     """Stream the corpus into the passage store, then tokenize and index the texts."""
     texts: list[str] = []
@@ -233,6 +295,7 @@ def _write_index(corpus: Path, out: Path, sha: str) -> None:
         "tokenizer": {"pattern": _TOKEN_PATTERN, "stopwords": "en", "stemmer": "s"},
         "bm25": {"method": retriever.method, "k1": retriever.k1, "b": retriever.b},
         "bm25s_version": _bm25s().__version__,
+        "files": {p.name: file_sha256(p) for p in sorted(out.iterdir())},
     }
     (out / _META).write_text(json.dumps(meta, indent=1))
 
@@ -254,7 +317,8 @@ def corpus_sha256(corpus: Path) -> str:
 
 
 def ensure_index(corpus: str | Path, root: str | Path) -> Path:
-    """The index of `corpus` under `root`, built on first use and keyed by the corpus hash.
+    """The index of `corpus` under `root`, built on first use and keyed by the corpus hash;
+    one there whose files fail ``check_index`` is set aside (never deleted) and built again.
 
     Threads of one process build it once (a lock); separate processes (an async vector env
     starts several at once) each build into a private temp dir and the first rename wins,
@@ -263,6 +327,14 @@ def ensure_index(corpus: str | Path, root: str | Path) -> Path:
     sha = corpus_sha256(Path(corpus))
     target = Path(root) / f"bm25-v{FORMAT}-{sha[:16]}"
     with _BUILD_LOCK:
+        if (target / _META).is_file():
+            try:
+                check_index(target)
+            except DamagedIndexError as err:
+                aside = set_aside(target)
+                warnings.warn(f"{err}: set aside as {aside.name} (delete it when done with "
+                              "it) and built again from the corpus", RuntimeWarning,
+                              stacklevel=2)
         if not (target / _META).is_file():
             _build_into(Path(corpus), target, sha, replace=False)
     return target

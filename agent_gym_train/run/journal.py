@@ -25,10 +25,21 @@ So an episode is never lost (a kill costs at most the turn in progress) and neve
 twice (a group is taken whole or not at all). The journal of a step is forgotten once a
 checkpoint holds its update (``forget_before``). A journal left by a run with other
 settings (``fingerprint``) is discarded when the run opens, and said so.
+
+The journal is read as untrusted: a record is reused only if it has the digest written
+with it, a SHA-256 over the run's fingerprint, the record's place (step, purpose, group,
+branch) and its content; one that fails is dropped with its group and rolled out afresh, so
+a reward edited to 1000 is never trained on. A digest, not an HMAC: what it guards against
+is a journal damaged, edited by hand or by a tool, left by another version, or copied
+from another run or slot; whoever can write the run directory on purpose can as well
+replace the checkpoint's weights beside it, and a key kept there would be theirs too. A
+file that is not a readable SQLite database (cut, overwritten) is moved aside
+(``rollouts.sqlite.damaged``) and reported in one line (``check_journal``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import threading
@@ -38,14 +49,18 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym import untrusted
+from agent_gym.durable import set_aside
 from agent_gym.env.state import EnvState, StateError
 from agent_gym_train.run.episode import DatumError, Episode, TokenSequence
+from agent_gym_train.run.files import RunConfigError
 
 JOURNAL_FILE = "rollouts.sqlite"
 # Settings that change how a run proceeds or where it runs, but not what its rollouts are.
 NOT_FINGERPRINTED = frozenset({"out", "progress", "threads", "device", "ray", "api_key",
                                "concurrency", "steps", "save_every", "preset",
                                "activation_checkpointing"})
+MAX_RECORD_CHARS = 256 * 2**20  # a branch's transcript and tokens; a longer one is dropped
+_COLUMNS = ["step", "purpose", "grp", "branch", "record", "digest"]
 
 
 class JournalError(ValueError):
@@ -147,23 +162,34 @@ class Journal:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # durable across a killed process
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+        self.discarded = 0  # branches thrown away on opening (another run's, unverifiable)
+        columns = [row[1] for row in self._db.execute("PRAGMA table_info(branches)")]
+        if columns and columns != _COLUMNS:  # an older journal: its records carry no digest
+            self.discarded = self._db.execute("SELECT COUNT(*) FROM branches").fetchone()[0]
+            self._db.execute("DROP TABLE branches")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS branches (step INTEGER, purpose TEXT, grp INTEGER, "
-            "branch INTEGER, record TEXT, PRIMARY KEY (step, purpose, grp, branch))")
-        wanted = json.dumps(dict(fingerprint), sort_keys=True, default=str)
+            "branch INTEGER, record TEXT, digest TEXT, PRIMARY KEY (step, purpose, grp, branch))")
+        self._wanted = json.dumps(dict(fingerprint), sort_keys=True, default=str)
         row = self._db.execute("SELECT value FROM meta WHERE key = 'fingerprint'").fetchone()
-        self.discarded = 0  # branches of another run's journal, thrown away on opening
-        if row is not None and row[0] != wanted:
-            self.discarded = self._db.execute("SELECT COUNT(*) FROM branches").fetchone()[0]
+        if row is not None and row[0] != self._wanted:
+            self.discarded += self._db.execute("SELECT COUNT(*) FROM branches").fetchone()[0]
             self._db.execute("DELETE FROM branches")
-        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('fingerprint', ?)", (wanted,))
+        self._db.execute("INSERT OR REPLACE INTO meta VALUES ('fingerprint', ?)",
+                         (self._wanted,))
+
+    def _digest(self, step: int, purpose: str, group: int, branch: int, text: str) -> str:
+        place = json.dumps([self._wanted, step, purpose, group, branch])
+        return hashlib.sha256(f"{place}\n{text}".encode("utf-8", "surrogatepass")).hexdigest()
 
     def record(self, step: int, purpose: str, group: int, branch: int,
                record: BranchRecord) -> None:
         """A branch's latest turn boundary, or its end; replaces what was there."""
+        text = record.to_json()
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO branches VALUES (?, ?, ?, ?, ?)",
-                             (step, purpose, group, branch, record.to_json()))
+            self._db.execute("INSERT OR REPLACE INTO branches VALUES (?, ?, ?, ?, ?, ?)",
+                             (step, purpose, group, branch, text,
+                              self._digest(step, purpose, group, branch, text)))
 
     def take(self, step: int, purpose: str, group: int, *, version: int, branches: int
              ) -> dict[int, BranchRecord]:
@@ -172,13 +198,15 @@ class Journal:
         see the module docstring)."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT branch, record FROM branches WHERE step = ? AND purpose = ? AND "
-                "grp = ?", (step, purpose, group)).fetchall()
+                "SELECT branch, CASE WHEN length(record) <= ? THEN record END, digest "
+                "FROM branches WHERE step = ? AND purpose = ? AND grp = ?",
+                (MAX_RECORD_CHARS, step, purpose, group)).fetchall()
         if not rows:
             return {}
         counts = self._resumed.setdefault(step, Resumed())
         try:
-            found = {int(b): BranchRecord.from_json(text) for b, text in rows}
+            found = {int(b): self._verified(step, purpose, group, b, text, digest)
+                     for b, text, digest in rows}
         except JournalError:
             found = {}
         versions = {r.version for r in found.values()}
@@ -196,6 +224,15 @@ class Journal:
         counts.reused_episodes += len(finished)
         counts.resumed_branches += len(found) - len(finished)
         return found
+
+    def _verified(self, step: int, purpose: str, group: int, branch: object, text: object,
+                  digest: object) -> BranchRecord:
+        """A row read back, once its digest is the one written with it."""
+        if not (type(branch) is int and isinstance(text, str) and isinstance(digest, str)
+                and digest == self._digest(step, purpose, group, branch, text)):
+            raise JournalError("a journaled branch is not as it was written (its digest "
+                               "differs, or it is too long)")
+        return BranchRecord.from_json(text)
 
     def resumed(self, step: int) -> Resumed:
         """What step ``step``'s rollouts took from the journal (all zero in a run that was
@@ -215,6 +252,32 @@ class Journal:
         with self._lock:
             self._db.execute("DELETE FROM branches WHERE step = ? AND purpose = ? AND grp = ?",
                              (step, purpose, group))
+
+
+def check_journal(path: Path) -> None:
+    """A ``RunConfigError`` when the journal at ``path`` (if any) is not a SQLite database
+    whose pages all read, with the file (and its WAL) moved aside first: a journal cut in
+    half or overwritten ended every resume in a traceback. Linear in the file's size."""
+    if not path.exists():
+        return
+    try:
+        db = sqlite3.connect(path)
+        try:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check(1)")]
+        finally:
+            db.close()
+        if problems == ["ok"]:
+            return
+        problem = problems[0] if problems else "no answer to a check"
+    except sqlite3.Error as err:
+        problem = str(err)
+    aside = set_aside(path)
+    for sibling in ("-wal", "-shm"):
+        companion = path.with_name(path.name + sibling)
+        if companion.exists():
+            companion.rename(aside.with_name(aside.name + sibling))
+    raise RunConfigError(f"{path} is not a readable journal ({problem}); moved to "
+                         f"{aside.name}: run again to roll out its steps afresh")
 
 
 def fingerprint(args: Mapping[str, object]) -> dict[str, object]:

@@ -64,7 +64,13 @@ from agent_gym_train.run.files import (
     keep_metrics_before,
     write_text,
 )
-from agent_gym_train.run.journal import JOURNAL_FILE, GroupJournal, Journal, fingerprint
+from agent_gym_train.run.journal import (
+    JOURNAL_FILE,
+    GroupJournal,
+    Journal,
+    check_journal,
+    fingerprint,
+)
 from agent_gym_train.run.losses import Objective, sampler_mismatch
 from agent_gym_train.run.pipeline import Weights
 from agent_gym_train.run.rollout import RolloutConfig, Start, rollout_groups
@@ -382,6 +388,7 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     described = [check_env(args.env_id, kwargs, option) for option, kwargs in args.env_settings()]
     num_tasks, env_turns, parts = described[0]
     out = Path(args.out)
+    check_journal(out / JOURNAL_FILE)  # a damaged one is one line, before a model loads
     service = service or make_service(
         args.backend, checkpoint_dir=out / "checkpoints", api_key=args.api_key,
         device=args.device, threads=args.threads,

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
 from pathlib import Path
 
 import pytest
 
 from agent_gym.env.state import EnvState
 from agent_gym_train.run.episode import Episode, Span, TokenSequence
-from agent_gym_train.run.journal import BranchRecord, Journal, fingerprint
+from agent_gym_train.run.files import RunConfigError
+from agent_gym_train.run.journal import (
+    JOURNAL_FILE,
+    BranchRecord,
+    Journal,
+    check_journal,
+    fingerprint,
+)
 from tests.agent_gym_train.test_grpo import toy_model  # noqa: F401 (a fixture)
 from tests.helpers import grpo_toy
 from tests.helpers.fork_runner import PHASES, ForkRunner
@@ -142,3 +150,46 @@ def test_a_chat_holding_a_lone_surrogate_is_journaled_and_read_back(tmp_path: Pa
     journal = Journal(tmp_path / "j.sqlite", {})
     journal.record(0, "group", 0, 0, record)
     assert journal.take(0, "group", 0, version=0, branches=1)[0].messages == record.messages
+
+
+def test_a_finished_record_edited_in_the_file_is_dropped_not_trained_on(tmp_path: Path) -> None:
+    """Rewards set to 1000 in rollouts.sqlite were reused as they were, and the resumed
+    run trained step 0 on them."""
+    path = tmp_path / JOURNAL_FILE
+    journal = Journal(path, {"seed": 0})
+    for group in (0, 1):
+        for branch in (0, 1):
+            journal.record(0, "group", group, branch, finished(0))
+    journal.close()
+    with sqlite3.connect(path) as db:
+        (text,) = db.execute("SELECT record FROM branches WHERE grp = 0 AND branch = 1"
+                             ).fetchone()
+        edited = text.replace('"reward": 1.0', '"reward": 1000.0')
+        assert edited != text
+        db.execute("UPDATE branches SET record = ? WHERE grp = 0 AND branch = 1", (edited,))
+        # a record moved to another place of the journal is not as written either
+        db.execute("UPDATE branches SET grp = 2 WHERE grp = 1 AND branch = 0")
+    journal = Journal(path, {"seed": 0})
+    assert journal.take(0, "group", 0, version=0, branches=2) == {}
+    assert journal.take(0, "group", 2, version=0, branches=2) == {}
+    assert journal.resumed(0).dropped_branches == 3
+
+
+@pytest.mark.parametrize("damage", ["cut in half", "replaced by bytes"])
+def test_a_journal_that_is_not_a_database_is_moved_aside_in_one_line(
+    tmp_path: Path, damage: str
+) -> None:
+    path = tmp_path / JOURNAL_FILE
+    journal = Journal(path, {"seed": 0})
+    for step in range(40):  # pages enough that half the file loses some
+        journal.record(step, "group", 0, 0, finished(0))
+    journal.close()
+    raw = path.read_bytes()
+    raw = raw[:len(raw) // 2] if damage == "cut in half" else b"\x07" * len(raw)
+    path.write_bytes(raw)
+    with pytest.raises(RunConfigError, match=r"is not a readable journal .* moved to "
+                       r"rollouts\.sqlite\.damaged") as caught:
+        check_journal(path)
+    assert "\n" not in str(caught.value)
+    assert not path.exists() and (tmp_path / "rollouts.sqlite.damaged").read_bytes() == raw
+    check_journal(path)  # the next run starts a new one

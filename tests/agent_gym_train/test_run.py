@@ -4,6 +4,7 @@ seeds."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import pytest
 
 from agent_gym.seeding import derive_seed
 from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.cli import _reporting
 from agent_gym_train.run.args import RunArgs, parse_args
 from agent_gym_train.run.envpool import EnvPool
 from agent_gym_train.run.files import (
@@ -21,8 +23,10 @@ from agent_gym_train.run.files import (
     METRICS_FILE,
     Checkpoint,
     RunConfigError,
+    keep_metrics_before,
     read_metrics,
 )
+from agent_gym_train.run.journal import JOURNAL_FILE
 from agent_gym_train.run.run import open_run
 from agent_gym_train.run.store import StateStore
 from tests.agent_gym_train.test_store import resume_point
@@ -332,3 +336,44 @@ def test_a_supervised_batch_adds_its_gradient_to_the_same_update(
     assert label_row["datums"] == 0 and label_row["grad_norm"] > 0
     for total, a, b in zip(both, alone_policy, alone_label, strict=True):
         torch.testing.assert_close(total, a + b)
+
+
+def test_a_checkpoint_record_of_garbage_is_one_line_and_moved_aside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``checkpoint.json`` of ``{garbage`` ended every resume in a traceback."""
+    (tmp_path / CHECKPOINT_FILE).write_text("{garbage")
+    argv = ["--out", str(tmp_path), "--model", "tiny"]
+    command = argparse.Namespace(argv=argv, debug=False)
+    assert _reporting(command, "grpo", lambda a: parse_args(ToyArgs, a, "toy", "t") and 0) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "is not a readable checkpoint record" in lines[0], lines
+    assert "moved to checkpoint.json.damaged" in lines[0]
+    assert (tmp_path / "checkpoint.json.damaged").read_text() == "{garbage"
+    assert parse_args(ToyArgs, argv, "toy", "t").out == str(tmp_path)  # the next run starts
+    # a record of the right JSON but the wrong shape is refused the same way
+    (tmp_path / CHECKPOINT_FILE).write_text('{"step": -1, "path": "x", "args": {}}')
+    with pytest.raises(RunConfigError, match=r"checkpoint\.json\.damaged-2"):
+        Checkpoint.read(tmp_path / CHECKPOINT_FILE)
+
+
+def test_a_cut_last_metrics_line_is_dropped_and_a_bad_one_moved_aside(tmp_path: Path) -> None:
+    """A kill cuts at most the last line, of a step no checkpoint counts: dropped. Any other
+    line that does not read is one line, with the file set aside, never a traceback."""
+    path = tmp_path / METRICS_FILE
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "lo')
+    assert keep_metrics_before(path, 2) == [{"step": 0}, {"step": 1}]
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+    path.write_text('{"step": 0}\n{garbage\n{"step": 1}\n')
+    with pytest.raises(RunConfigError, match=r"line 2 .* moved to metrics\.jsonl\.damaged"):
+        keep_metrics_before(path, 2)
+    assert not path.exists() and (tmp_path / "metrics.jsonl.damaged").is_file()
+
+
+def test_a_journal_that_is_not_a_database_stops_the_run_before_a_model_loads(
+    tmp_path: Path
+) -> None:
+    (tmp_path / JOURNAL_FILE).write_bytes(b"\x07" * 8192)
+    with pytest.raises(RunConfigError, match="is not a readable journal"):
+        open_run(toy("no-such-model", tmp_path), 1)
+    assert (tmp_path / "rollouts.sqlite.damaged").is_file()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from agent_gym.cli.main import main
 from tests.helpers.eval_runs import GSM8K, make_run, run_held_by_another_process
+from tests.helpers.nodes import special_nodes
 
 
 def _fails_cleanly(argv: list[str], capsys: pytest.CaptureFixture[str], *needles: str) -> str:
@@ -75,6 +77,28 @@ def test_no_output_lands_on_a_file_of_a_run_it_reads(
     assert main(["view", str(run), "--out", str(run / "report.html")]) == 0
     assert main(["rescore", str(run)]) == 0 and (run / "rescore.json").is_file()
     assert main(["compare", str(run), str(other), "--html", str(tmp_path / "c.html")]) == 0
+
+
+def test_no_output_replaces_a_device_or_a_fifo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As root, ``view --out /dev/null``, ``compare --html /dev/null`` and ``rescore --out
+    /dev/full`` exited 0 and left a regular file where the device was. The nodes here are
+    made in a temporary directory (a FIFO, and a copy of /dev/null's device where this user
+    may make one), reached directly and through a symlink."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    make_run(run, episodes=2)
+    make_run(other, episodes=2)
+    nodes = special_nodes(tmp_path)
+    (tmp_path / "link").symlink_to(nodes[-1])
+    kinds = {node: stat.S_IFMT(os.lstat(node).st_mode) for node in nodes}
+    for target in [*nodes, tmp_path / "link"]:
+        for argv in (["view", str(run), "--out", str(target)],
+                     ["compare", str(run), str(other), "--html", str(target)],
+                     ["rescore", str(run), "--out", str(target), "--force"]):
+            _fails_cleanly(argv, capsys, "is not a regular file")
+    assert {node: stat.S_IFMT(os.lstat(node).st_mode) for node in nodes} == kinds
+    assert (tmp_path / "link").is_symlink()
 
 
 @pytest.mark.parametrize(("config", "needle"), [

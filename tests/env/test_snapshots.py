@@ -345,6 +345,31 @@ def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> No
 
 
 
+def test_a_record_that_inflates_past_the_bound_is_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small store record may hold any size once inflated: past the bound
+    (``hoststore.inflate``) it is refused unread, and the restore redoes only the records
+    before it, replaying the rest."""
+    first, fresh = shared(tmp_path)
+    state = played(first)[-1]
+    damaged = StoredTally(str(tmp_path / "store.sqlite"))
+    damaged.reset(options={"task_id": "zero"})
+    damaged.step("3")
+    key = chain_key(damaged.prefixes.head, "x", None)
+    entry = json.loads(zlib.decompress(damaged.prefixes.store.get(key)))
+    entry["padding"] = " " * (4 * 2**20)  # the same record, 4 MB larger once inflated
+    bomb = zlib.compress(json.dumps(entry).encode(), 9)
+    assert len(bomb) < 2**15
+    fresh.prefixes.store.put(key, bomb)
+    fresh.prefixes.store.clear_memory()
+    monkeypatch.setattr("agent_gym.hoststore.MAX_INFLATED_BYTES", 2**20)
+    observation, info = fresh.reset(options={"state": state})
+    assert observation == "total 15"
+    assert (info["snapshot_source"], info["snapshot_depth"]) == ("store", 1)
+    assert fresh.steps == len(ACTIONS) - 1 and fresh.save_state() == state
+
+
 def test_the_host_store_is_opt_in_and_clear_forgets_only_this_instances_snapshots(
     tmp_path: Path,
 ) -> None:

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from agent_gym.actions.protocols import choose_protocol
 from agent_gym.actions.tools import parse_tool_call
 from agent_gym.alfworld.games import GameError, bundled_root, find_games
 from agent_gym.envs.alfworld import PROTOCOLS, STEP_TOOL, ALFWorldEnv, canonical
-from agent_gym.hoststore import STORE_PATH_ENV
+from agent_gym.hoststore import STORE_PATH_ENV, HostStore, host_store
 
 ENV = "agent_gym/ALFWorld-v0"
 
@@ -508,3 +509,26 @@ def test_async_vector_env_branches_one_state() -> None:
         assert observations[0] != observations[1] and list(infos["invalid"]) == [True, False]
     finally:
         vec.close()
+
+
+def test_a_store_record_that_inflates_past_its_bound_is_computed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record of the host store is decompressed only up to a bound; one past it (or
+    unreadable) is computed again and stored anew, never a traceback or a gigabyte."""
+    store = str(tmp_path / "store.sqlite")
+    first = make(restore_store=store)
+    expected = first.reset(options={"index": 0})[0]
+    key = first._engine.key
+    first.close()
+    monkeypatch.setattr("agent_gym.hoststore.MAX_INFLATED_BYTES", 2**20)
+    bomb = zlib.compress(bytes(4 * 2**20), 9)
+    for name in ("start:", "sas:"):
+        HostStore("alfworld_games", store).put(name + key, bomb)
+    host_store("alfworld_games", store).clear_memory()
+    fresh = make(restore_store=store)
+    try:
+        assert fresh.reset(options={"index": 0})[0] == expected
+    finally:
+        fresh.close()
+    assert HostStore("alfworld_games", store).get("start:" + key) != bomb  # stored anew

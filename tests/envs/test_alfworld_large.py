@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import lzma
 import shutil
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -148,6 +149,29 @@ def test_a_damaged_pack_is_refused_and_kept(
         gymnasium.make(ENV, split="large_test")
     assert str(copy) in str(err.value) and "\n" not in str(err.value)
     assert copy.read_bytes() == bytes(raw)  # refused, never replaced or deleted
+
+
+def test_a_pack_that_decompresses_past_the_bound_is_refused_in_bounded_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 228 KB xz of 1.5 GB of zeros was inflated whole before the digest check (a
+    MemoryError); here the bound is lowered to 1 MB and the bomb is 8 MB of zeros (xz -0:
+    a dictionary of 256 KB, so the decoder's own memory does not hide the output's)."""
+    pack = tmp_path / "large_test.jsonl.xz"
+    pack.write_bytes(lzma.compress(bytes(8 * 2**20), preset=0))
+    monkeypatch.setattr("agent_gym.alfworld.games.MAX_PACK_BYTES", 2**20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(GameError, match="decompresses to more than 1,048,576 bytes"):
+            read_pack(pack)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, peak
+    pack.write_bytes(lzma.compress(b"{}\n", filters=[{"id": lzma.FILTER_LZMA2,
+                                                        "dict_size": 1536 * 2**20}]))
+    with pytest.raises(GameError, match=r"[Mm]emory"):  # a dictionary of 1.5 GB is asked for
+        read_pack(pack)
 
 
 def test_env_loads_the_set_by_name_and_held_out_walkthroughs_win() -> None:

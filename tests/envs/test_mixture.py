@@ -209,3 +209,33 @@ def test_stepping_before_reset_is_an_error() -> None:
         with pytest.raises(RuntimeError, match="reset"):
             call()
     env.close()
+
+
+def test_weights_near_the_float_limit_are_kept_as_ratios_and_draw() -> None:
+    """Two weights of 1e308 are each finite but sum to infinity: every draw divided by the
+    sum and failed, as did a trainer's task sampler, which sums the parts' weights too."""
+    env = mixture({**GSM8K, "weight": 1e308}, {**SEARCH, "weight": 1e308})
+    try:
+        assert [part.weight for part in env.unwrapped.parts] == [1.0, 1.0]
+        members = Counter(env.reset(seed=seed)[1]["member"] for seed in range(100))
+        assert set(members) == {0, 1}
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(("weight", "message"), [
+    (10**400, "positive number below .* an integer of 1329 bits"),
+    (10**5000, "an integer of 16610 bits"),
+], ids=["1e400", "1e5000"])
+def test_a_weight_past_a_floats_range_is_refused_in_one_line(weight: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        mixture({**GSM8K, "weight": weight}, SEARCH)
+
+
+def test_a_weight_too_small_beside_the_largest_to_be_drawn_is_refused() -> None:
+    """Divided by the largest (the sum overflows), 5e-324 is 0: the member would never be
+    drawn, and a trainer's task sampler refuses a part of weight 0."""
+    other = {**SEARCH, "env_kwargs": {**SEARCH["env_kwargs"], "max_turns": 4}}
+    with pytest.raises(ValueError, match="member 2: weight 5e-324 is too small beside"):
+        mixture({**GSM8K, "weight": 1e308}, {**SEARCH, "weight": 1e308},
+                {**other, "weight": 5e-324})

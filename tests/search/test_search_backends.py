@@ -123,6 +123,46 @@ def test_ensure_index_is_keyed_by_corpus_content(tmp_path: Path) -> None:
     )
 
 
+def _poison(index: Path) -> None:
+    """Change a passage of a built index in place, bytes for bytes, so its offsets still
+    read: the corpus (and a data set's digest of it) is untouched."""
+    store = index / "passages.jsonl"
+    store.write_bytes(store.read_bytes().replace(b"Grey Sea", b"Red! Sea"))
+
+
+def test_a_cached_index_whose_files_changed_is_set_aside_and_built_again(
+    tmp_path: Path
+) -> None:
+    """A passage poisoned in the cached index was served while the corpus's digest passed."""
+    corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
+    index = ensure_index(corpus, tmp_path / "cache")
+    _poison(index)
+    with pytest.raises(CorpusError, match=r"passages\.jsonl does not have the SHA-256"):
+        BM25Index(index)  # an index named by the user: refused
+    with pytest.warns(RuntimeWarning, match="set aside as .*damaged.* built again"):
+        assert ensure_index(corpus, tmp_path / "cache") == index
+    (passage,) = BM25Index(index).search(["grey sea"], 1)[0][:1]
+    assert passage.id == "a" and "Grey Sea" in passage.text
+    aside = tmp_path / "cache" / f"{index.name}.damaged"
+    assert b"Red! Sea" in (aside / "passages.jsonl").read_bytes()  # kept, never deleted
+
+
+@pytest.mark.parametrize("edit", ["a file added", "a file removed", "meta without digests"])
+def test_an_index_unlike_the_one_built_is_refused(tmp_path: Path, edit: str) -> None:
+    index = BM25Index.build(write_jsonl(tmp_path / "c.jsonl", DOCS), tmp_path / "index")
+    index.close()
+    meta = json.loads((tmp_path / "index" / "meta.json").read_text())
+    if edit == "a file added":
+        (tmp_path / "index" / "extra.npy").write_bytes(b"")
+    elif edit == "a file removed":
+        (tmp_path / "index" / "offsets.npy").unlink()
+    else:
+        del meta["files"]
+        (tmp_path / "index" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CorpusError, match="rebuild it"):
+        BM25Index(tmp_path / "index")
+
+
 def test_ensure_index_under_concurrent_first_use(tmp_path: Path) -> None:
     """Threads of one process (an eval's env slots) race to build the same index."""
     corpus = write_jsonl(tmp_path / "c.jsonl", DOCS)
