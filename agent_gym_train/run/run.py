@@ -397,13 +397,13 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     )
     training, resumed = training_client(service, args, out / CHECKPOINT_FILE)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
     engine = None
-    if args.sampler == "vllm":
+    if args.sampler == "vllm":  # last: nothing after it can fail and leave it running
         engine = open_engine(args, out)
         training = EngineTraining(training, service, VLLMWeights(
             engine, training.get_tokenizer(), out / "adapters",
             keep_versions(getattr(args, "max_staleness", 0))))
-    earlier = keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
     return Run(
         args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),
