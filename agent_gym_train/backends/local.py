@@ -532,6 +532,15 @@ class LocalTrainingClient:
     def create_sampling_client(self, model_path: str) -> LocalSamplingClient:
         return self._service.create_sampling_client(self.model_id, model_path)
 
+    def save_adapter(self, path: Path) -> None:
+        """The LoRA adapter as it is now, in PEFT's format (what an inference engine loads:
+        ``agent_gym_train.backends.vllm``). The embedding stays the base model's: no
+        adapter trains it, so it is not saved."""
+        if not self.setup.lora_rank:
+            raise ValueError("full fine-tuning has no adapter to save: an inference engine "
+                             "would reload every weight after each update")
+        self.model.save_pretrained(path, save_embedding_layers=False)
+
     # ----------------------------------------------------------------- checkpoints
     def save_state(
         self, name: str, ttl_seconds: int | None = None, overwrite: bool = False

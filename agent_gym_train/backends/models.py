@@ -274,6 +274,16 @@ def _tiny_seed(spec: str) -> int | None:
     return None
 
 
+def model_dir(spec: str) -> Path:
+    """The Hugging Face directory of a model spec, for an engine that loads one (vLLM):
+    the embedded SmolLM2's converted directory, or the directory named. ``tiny`` is built
+    in memory and has none."""
+    if _tiny_seed(spec) is not None:
+        raise ModelSpecError(f"model {spec!r} is built in memory; an inference engine needs "
+                             "a model directory (smollm2 or a Hugging Face directory)")
+    return smollm2_dir() if spec == DEFAULT_MODEL else _local_dir(spec)
+
+
 def _local_dir(spec: str) -> Path:
     folder = Path(spec).expanduser()
     if not (folder / "config.json").is_file():

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 
 from agent_gym import untrusted
 from agent_gym.cli.parsing import OneLineParser
-from agent_gym_train.backends import BACKENDS, SAMPLER_PRECISIONS
+from agent_gym_train.backends import BACKENDS, SAMPLER_PRECISIONS, SAMPLERS
 from agent_gym_train.run.files import CHECKPOINT_FILE, Checkpoint, RunConfigError
 from agent_gym_train.run.losses import AGGREGATIONS, POLICY_LOSSES, TOKEN_MEAN
 from agent_gym_train.run.losses import problems as loss_problems
@@ -109,6 +109,13 @@ class RunArgs:
         "float32", "local backend: the samplers' copy of the weights; bfloat16 decodes faster "
         "where the hardware has bf16 units, and the loss's importance ratio corrects the "
         "rounding as it corrects staleness", SAMPLER_PRECISIONS)
+    sampler: str = option(
+        "local", "where rollouts are sampled: the backend's own sampler, or vllm (a vLLM "
+        "server the run starts from make setup's .venv-vllm, or --vllm-url); the learner "
+        "stays on the local backend", SAMPLERS)
+    vllm_url: str | None = option(
+        None, "with --sampler vllm: a vLLM server already running, serving --model under "
+        "its name with --enable-lora (default: the run starts and stops its own)")
     batch_size: int | None = option(
         None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")
@@ -173,6 +180,14 @@ class RunArgs:
              "--batch-size, --concurrency, --max-tokens, --save-every and --threads must be "
              "positive"),
             (self.max_turns is not None and self.max_turns < 1, "--max-turns must be positive"),
+            (self.sampler == "vllm" and self.backend != "local",
+             "--sampler vllm samples for the local learner: PyTRIO samples on its own service"),
+            (self.sampler == "vllm" and self.lora_rank < 1,
+             "--sampler vllm loads each update's LoRA adapter into the running engine; full "
+             "fine-tuning (--lora-rank 0) would reload every weight each update: give a "
+             "positive --lora-rank or use --sampler local"),
+            (self.vllm_url is not None and self.sampler != "vllm",
+             "--vllm-url goes with --sampler vllm"),
         ]
         return [*(message for failed, message in checks if failed),
                 *loss_problems(self.loss, self.loss_aggregation, self.clip_low, self.clip_high)]

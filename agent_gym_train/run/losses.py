@@ -35,6 +35,8 @@ advantage.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +133,32 @@ class Objective:
             return training.forward_backward(datums, self.loss, self.thresholds())
         config = {"loss": self.loss, "aggregation": self.aggregation, **(self.thresholds() or {})}
         return training.forward_backward_custom(datums, policy_loss, config)
+
+
+def sampler_mismatch(
+    datums: Sequence[Datum], outputs: Sequence[Mapping[str, Any]], max_weight: float | None,
+) -> dict[str, float | None]:
+    """How far the sampler's logprobs of the sampled tokens (the datums' ``logprobs``) are
+    from the learner's (``outputs``' ``logprobs``, from the same forward-backward): their
+    mean absolute difference, and the share of tokens whose importance weight
+    ``exp(learner - sampler)`` is above ``max_weight`` (what truncation cut; None when the
+    objective truncates nothing). An engine computes in its own precision and kernels, so
+    these are not 0 even on weights just published; they say how much the correction does."""
+    gaps: list[float] = []
+    for datum, output in zip(datums, outputs, strict=True):
+        learner = output.get("logprobs")
+        if learner is None or "logprobs" not in datum.loss_fn_inputs:
+            continue
+        targets = datum.loss_fn_inputs["target_tokens"].data
+        sampled = datum.loss_fn_inputs["logprobs"].data
+        gaps += [p - q for p, q, t in zip(learner.data, sampled, targets, strict=True)
+                 if t != IGNORE_TARGET]
+    if not gaps:
+        return {"logprob_gap_abs_mean": None, "truncated_fraction": None}
+    cut = (None if max_weight is None
+           else sum(gap > math.log(max_weight) for gap in gaps) / len(gaps))
+    return {"logprob_gap_abs_mean": sum(abs(g) for g in gaps) / len(gaps),
+            "truncated_fraction": cut}
 
 
 def policy_loss(

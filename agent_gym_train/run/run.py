@@ -23,7 +23,7 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -36,8 +36,17 @@ from tqdm import tqdm
 from agent_gym.render import ChatRenderer
 from agent_gym.seeding import derive_seed
 from agent_gym_train.backends import make_service
+from agent_gym_train.backends.vllm import (
+    Engine,
+    EngineConfig,
+    EngineTraining,
+    VLLMWeights,
+    keep_versions,
+    served_model_name,
+)
 from agent_gym_train.run.args import RunArgs
 from agent_gym_train.run.clients import (
+    Sampler,
     ServiceClient,
     TrainingClient,
     VersionedSampler,
@@ -62,7 +71,7 @@ from agent_gym_train.run.journal import (
     check_journal,
     fingerprint,
 )
-from agent_gym_train.run.losses import Objective
+from agent_gym_train.run.losses import Objective, sampler_mismatch
 from agent_gym_train.run.pipeline import Weights
 from agent_gym_train.run.rollout import RolloutConfig, Start, rollout_groups
 from agent_gym_train.run.tasks import TaskSampler
@@ -117,11 +126,14 @@ class Run:
     objective: Objective
     task_sampler: TaskSampler
     idle_steps: int = 0  # steps in a row that trained nothing
+    engine: Engine | None = None  # the vLLM server rollouts sample from (--sampler vllm)
     bar: tqdm | None = field(default=None, repr=False)
     _journal: Journal | None = field(default=None, repr=False)
     _checkpoints: dict[int, str] | None = field(default=None, repr=False)
     # This process's CPU seconds (every thread's) when the last metrics line was written.
     _cpu_mark: float = field(default_factory=time.process_time, repr=False)
+    # The engine's prefix-cache counters (tokens asked for, found) at the last metrics line.
+    _cache_mark: tuple[float, float] = field(default=(0.0, 0.0), repr=False)
 
     def checkpoints(self) -> dict[int, str]:
         """Backend paths of this run's latest checkpoints, by the step they complete (the
@@ -214,9 +226,13 @@ class Run:
         """Where a ``RolloutPipeline`` takes its samplers: the learner's weights, or a
         version saved in one of the run's checkpoints."""
         init_from = self.args.init_from
+        saved: Callable[[str | None], Sampler] = functools.partial(
+            self.service.create_sampling_client, self.args.model)
+        if isinstance(self.training, EngineTraining):  # older weights go to the engine too
+            saved = self.training.sampler_on
         return Weights(
             current=self.training.save_weights_and_get_sampling_client,
-            saved=functools.partial(self.service.create_sampling_client, self.args.model),
+            saved=saved,
             checkpoints=self.checkpoints(),
             initial=checkpoint_path(init_from) if init_from is not None else None,
             threads=getattr(self.service, "threads", None),
@@ -239,10 +255,12 @@ class Run:
         extra: Metrics = {}
         if datums:
             objective = objective or self.objective
-            metrics = dict(objective.forward_backward(self.training, datums).result().metrics)
+            output = objective.forward_backward(self.training, datums).result()
+            metrics = dict(output.metrics)
+            extra |= sampler_mismatch(datums, output.loss_fn_outputs, objective.max_weight)
         if supervised:
             ce = self.training.forward_backward(list(supervised), "cross_entropy").result()
-            extra = {"supervised_datums": len(supervised),
+            extra |= {"supervised_datums": len(supervised),
                      "supervised_tokens": active_tokens(supervised),
                      "supervised_loss": ce.metrics.get("loss_mean")}
         if datums or supervised:
@@ -267,10 +285,18 @@ class Run:
 
         Every line gets ``cpu_step``: the CPU seconds this process spent (all its threads)
         since the previous line, so runs that share a machine compare at equal CPU, not at
-        equal wall-clock (a continued run's first line counts from its start)."""
+        equal wall-clock (a continued run's first line counts from its start). With
+        ``--sampler vllm`` it also gets ``engine_prefix_hit_rate``: the share of the step's
+        prompt tokens the engine's prefix cache already held."""
         now = time.process_time()
         row = {**row, "cpu_step": now - self._cpu_mark}
         self._cpu_mark = now
+        if self.engine is not None:  # how much of the step's prompts the engine had cached
+            asked, found = self.engine.prefix_cache()
+            row["engine_prefix_hit_rate"] = ((found - self._cache_mark[1])
+                                             / (asked - self._cache_mark[0])
+                                             if asked > self._cache_mark[0] else None)
+            self._cache_mark = (asked, found)
         append_metrics(self.out / METRICS_FILE, row)
         self.idle_steps = 0 if trained_datums(row) else self.idle_steps + 1
         if self.bar is not None:
@@ -299,6 +325,8 @@ class Run:
 
     def close(self) -> None:
         self.envs.close()
+        if self.engine is not None:
+            self.engine.close()
         if self._journal is not None:
             self._journal.close()
 
@@ -370,6 +398,12 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     training, resumed = training_client(service, args, out / CHECKPOINT_FILE)
     out.mkdir(parents=True, exist_ok=True)
     earlier = keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
+    engine = None
+    if args.sampler == "vllm":  # last: nothing after it can fail and leave it running
+        engine = open_engine(args, out)
+        training = EngineTraining(training, service, VLLMWeights(
+            engine, training.get_tokenizer(), out / "adapters",
+            keep_versions(getattr(args, "max_staleness", 0))))
     return Run(
         args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),
@@ -380,4 +414,19 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
         objective=Objective(args.loss, args.loss_aggregation, args.clip_low, args.clip_high),
         task_sampler=TaskSampler.from_metrics(
             num_tasks, getattr(args, "task_sampler", "uniform"), earlier, parts),
+        engine=engine,
     )
+
+
+def open_engine(args: RunArgs, out: Path) -> Engine:
+    """The vLLM server of ``--sampler vllm``: ``--vllm-url``'s, or one the run starts from
+    ``--model``'s directory (its output in ``out/vllm.log``), LoRA at ``--lora-rank``."""
+    name = served_model_name(args.model)
+    if args.vllm_url is not None:
+        return Engine.connect(args.vllm_url, name)
+    from agent_gym_train.backends.models import model_dir  # torch: only for a local engine
+
+    return Engine.start(EngineConfig(
+        model_dir=model_dir(args.model), served_name=name, max_lora_rank=args.lora_rank,
+        max_loras=keep_versions(getattr(args, "max_staleness", 0)), log=out / "vllm.log",
+        threads=args.threads))

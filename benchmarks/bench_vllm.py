@@ -1,0 +1,106 @@
+"""The rollout phase of a real GRPO step sampled by vLLM, against the local sampler and
+against one-row Hugging Face ``generate``, all in one run.
+
+    python benchmarks/bench_vllm.py [--threads 1]          # benchmarks/results/vllm-cpu.json
+    python benchmarks/bench_vllm.py --device cuda          # on a GPU machine: vllm-cuda.json
+
+On a GPU machine the learner, the local sampler and ``generate`` run on CUDA and
+``.venv-vllm`` holds the CUDA build of vLLM (docs/training.md); the result file is named
+for the device, so no CPU figure reads as a GPU one.
+
+The step: ``agent-gym train grpo`` on ALFWorld-v0 (text protocol), 4 tasks x 8 branches,
+at most 6 turns, 48-token replies, the embedded SmolLM2 from its base weights, the learner
+on the local backend. Arms, in this order: one-row ``generate`` of the float32 model (the
+baseline, measured again at the end: the machine's load may drift), the step with
+``--sampler local`` (the bfloat16 copy where this CPU has bf16 units, else float32), the
+step with ``--sampler vllm`` (a server the run starts; vLLM keeps one core for its API
+process and runs its engine on the rest, so on 2 cores the engine has one, as the local
+sampler does). Each arm's figure is sampled tokens per second of the rollout phase
+(``time_rollout``: env steps included, the engine's start and the adapter's publication
+not), and its ratio to the baseline; the vLLM arm adds the share of prompt tokens its
+prefix cache held (``engine_prefix_hit_rate``) and the learner's logprob gap to the
+engine's on the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_local_backend import gymnasium_opening, one_row_generate
+from harness import RESULTS, Result, timed
+
+from agent_gym.render import ChatRenderer
+from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.backends.runtime import native_bf16
+
+SETTINGS = {"env_id": "agent_gym/ALFWorld-v0", "env_kwargs": {"protocol": "text"},
+            "steps": 1, "batch_size": 4, "group_size": 8, "max_turns": 6, "max_tokens": 48,
+            "progress": False, "save_every": 1000}
+
+
+def baseline(device: str, threads: int) -> float:
+    """One-row ``generate`` tokens per second on the ALFWorld opening, float32."""
+    base = LocalServiceClient(device=device, threads=threads).create_sampling_client("smollm2")
+    renderer = ChatRenderer(base.tokenizer)
+    opening = gymnasium_opening("agent_gym/ALFWorld-v0", {"protocol": "text"})
+    prompt = renderer.prompt(opening["messages"], opening.get("tools") or None)
+    return one_row_generate(base, prompt, 32)[0]
+
+
+def grpo_step(sampler: str, precision: str, device: str, threads: int) -> dict[str, Any]:
+    from agent_gym_train.grpo import Args, train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = Args(**SETTINGS, sampler=sampler, sampler_precision=precision, device=device,
+                    threads=threads, out=str(Path(tmp) / "run"))
+        row = train(args)[0]
+    return {
+        "command": "agent-gym train grpo --env-id agent_gym/ALFWorld-v0 --env-kwargs "
+                   "'{\"protocol\": \"text\"}' --batch-size 4 --group-size 8 --max-turns 6 "
+                   f"--max-tokens 48 --steps 1 --threads {threads} --sampler {sampler} "
+                   f"--sampler-precision {precision} --device {device}",
+        "sampled_tokens": row["sampled_tokens"], "episodes": row["episodes"],
+        "turns_mean": row["turns_mean"], "rollout_seconds": round(row["time_rollout"], 1),
+        "rollout_tok_s": round(row["sampled_tokens"] / row["time_rollout"], 2),
+        **{key: row[key] for key in ("engine_prefix_hit_rate", "logprob_gap_abs_mean",
+                                     "truncated_fraction") if key in row},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/vllm-DEVICE.json")
+    options = parser.parse_args()
+    out = options.out or str(RESULTS / f"vllm-{options.device.partition(':')[0]}.json")
+    torch.set_num_threads(options.threads)
+    device = options.device
+    precision = "bfloat16" if native_bf16(torch.device(device)) else "float32"
+    record = Result()
+    figures = record.figures
+    figures["device"] = device
+    first = baseline(device, options.threads)
+    figures["local"] = timed(lambda: grpo_step("local", precision, device, options.threads))
+    record.write(out)
+    figures["vllm"] = timed(lambda: grpo_step("vllm", "float32", device, options.threads))
+    last = baseline(device, options.threads)
+    one_row = (first + last) / 2
+    figures["one_row_generate_tok_s"] = [round(first, 2), round(last, 2)]
+    for arm in ("local", "vllm"):
+        figures[arm]["vs_one_row_generate"] = round(figures[arm]["rollout_tok_s"] / one_row, 2)
+    figures["vllm_vs_local"] = round(figures["vllm"]["rollout_tok_s"]
+                                     / figures["local"]["rollout_tok_s"], 2)
+    record.write(out)
+    print({arm: figures[arm]["vs_one_row_generate"] for arm in ("local", "vllm")},
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The vLLM sampler against a real vLLM server (``make setup`` builds its venv): token ids
+both ways, the learner's adapter loaded after every update and sampling next, a server that
+dies is one line, and no engine process outlives the run that started it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pytrio import ModelInput, SamplingParams
+
+from agent_gym.render import ChatRenderer
+from agent_gym_train.backends.models import load_tokenizer, smollm2_dir
+from agent_gym_train.backends.vllm import (
+    Engine,
+    EngineConfig,
+    EngineError,
+    VLLMWeights,
+    vllm_python,
+)
+from agent_gym_train.grpo import Args, train
+from agent_gym_train.run.episode import IGNORE_TARGET
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("vllm"),  # one worker, one server for the module (--dist loadgroup)
+    pytest.mark.skipif(not vllm_python().is_file(),
+                       reason=f"no vLLM venv at {vllm_python()} (make setup builds it)"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    running = Engine.start(EngineConfig(
+        model_dir=smollm2_dir(), served_name="smollm2", max_lora_rank=32, max_loras=2,
+        log=tmp_path_factory.mktemp("vllm") / "vllm.log", threads=1))
+    yield running
+    running.close()
+
+
+def test_prompts_and_completions_travel_as_token_ids(engine: Engine, tmp_path: Path) -> None:
+    tokenizer = load_tokenizer("smollm2")
+    renderer = ChatRenderer(tokenizer)
+    sampler = VLLMWeights(engine, tokenizer, tmp_path, keep=1).base()
+    prompt = renderer.prompt([{"role": "user", "content": "Name a colour."}])
+    reply = asyncio.run(sampler.sample_async(
+        ModelInput.from_ints(prompt), num_samples=3,
+        sampling_params=SamplingParams(max_tokens=12, temperature=1.0,
+                                       stop=sorted(renderer.stop_tokens))))
+    assert len(reply.sequences) == 3
+    for sequence in reply.sequences:
+        assert 0 < len(sequence.tokens) == len(sequence.logprobs) <= 12
+        assert all(lp <= 0 for lp in sequence.logprobs)
+        if sequence.stop_reason == "stop":  # the stop token is kept, as pytrio keeps it
+            assert sequence.tokens[-1] in renderer.stop_tokens
+    # the engine's score of its own sample agrees with what it reported while sampling
+    first = list(reply.sequences[0].tokens)
+    scored = asyncio.run(sampler.compute_logprobs_async(ModelInput.from_ints(prompt + first)))
+    assert scored[0] is None and len(scored) == len(prompt) + len(first)
+    assert scored[len(prompt):] == pytest.approx(list(reply.sequences[0].logprobs), abs=0.05)
+
+
+def test_grpo_steps_train_on_the_engines_tokens_and_the_new_adapter_samples_next(
+    engine: Engine, tmp_path: Path
+) -> None:
+    args = Args(env_id="agent_gym/Search-v0", env_kwargs={"split": "train"},
+                sampler="vllm", vllm_url=engine.url, steps=2, batch_size=2, group_size=2,
+                max_tokens=24, max_turns=2, learning_rate=1e-3, threads=1,
+                out=str(tmp_path / "run"), progress=False)
+    before = {m["id"] for m in json.loads(_get(engine, "/v1/models"))["data"]}
+    history = train(args)
+    assert [row["sampler_version"] for row in history] == [0, 1]
+    for row in history:
+        if row["datums"]:
+            # the learner re-scores the engine's tokens: close, not equal (bf16, kernels)
+            assert 0 <= row["logprob_gap_abs_mean"] < 0.5
+    # each step's sampler was a freshly published adapter; only the newest stays loaded
+    loaded = {m["id"] for m in json.loads(_get(engine, "/v1/models"))["data"]} - before
+    assert len(loaded) == 1 and next(iter(loaded)).endswith("-1")
+    # the journal of the last step holds what the engine sampled, token for token
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_datum_holds_the_sampled_tokens_and_their_engine_logprobs(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """One rollout group through the run's own path, its datums built as GRPO builds them."""
+    from agent_gym_train.run.clients import VersionedSampler
+    from agent_gym_train.run.episode import build_datum
+    from agent_gym_train.run.run import device_defaults, open_run
+
+    args = device_defaults(Args(env_id="agent_gym/Search-v0", env_kwargs={"split": "train"},
+                                sampler="vllm", vllm_url=engine.url, steps=1, batch_size=1,
+                                group_size=2, max_tokens=16, max_turns=2, threads=1,
+                                out=str(tmp_path / "run"), progress=False))
+    with open_run(args, 1) as run:
+        sampler = run.training.save_weights_and_get_sampling_client()
+        groups = run.rollouts(0, VersionedSampler(sampler, 0), run.tasks(run.rng(0), 1),
+                              run.rollout_config(2))
+    for episode in groups[0]:
+        sequence = episode.sequence
+        datum = build_datum(sequence, 1.0)
+        targets = datum.loss_fn_inputs["target_tokens"].data
+        logprobs = datum.loss_fn_inputs["logprobs"].data
+        trained = [i for i, t in enumerate(targets) if t != IGNORE_TARGET]
+        # every sampled token and only those train, each with the logprob the engine gave
+        assert trained == [p - 1 for span in sequence.spans for p in range(span.start, span.end)]
+        assert [targets[i] for i in trained] == [sequence.tokens[i + 1] for i in trained]
+        assert [logprobs[i] for i in trained] == pytest.approx(
+            [lp for span in sequence.spans for lp in span.logprobs])
+        assert episode.version == 0
+
+
+def test_a_server_that_dies_is_one_line(engine: Engine, tmp_path: Path) -> None:
+    """The module's last use of its server: killed, every later request is one line."""
+    sampler = VLLMWeights(engine, load_tokenizer("smollm2"), tmp_path, keep=1).base()
+    assert engine.process is not None
+    os.killpg(engine.process.pid, signal.SIGKILL)
+    engine.process.wait(timeout=30)
+    with pytest.raises(EngineError, match=r"^the vLLM server exited with status -9") as caught:
+        asyncio.run(sampler.sample_async(ModelInput.from_ints([1, 2, 3])))
+    assert "\n" not in str(caught.value)
+
+
+def test_no_engine_process_outlives_a_killed_run(tmp_path: Path) -> None:
+    """The run is SIGKILLed while its server serves: the kernel's parent-death signal stops
+    the server, and the server its workers."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from agent_gym_train.backends.models import smollm2_dir\n"
+        "from agent_gym_train.backends.vllm import Engine, EngineConfig\n"
+        f"engine = Engine.start(EngineConfig(smollm2_dir(), 'smollm2', 0, 1, "
+        f"Path({str(tmp_path / 'vllm.log')!r}), threads=1))\n"
+        "print(engine.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        group = int(run.stdout.readline())  # the server's pid is its process group's id
+    finally:
+        run.kill()
+        run.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _members(group):
+        time.sleep(1)
+    assert _members(group) == []
+
+
+def _members(group: int) -> list[int]:
+    """Live processes of a process group (zombies of an exited parent are not running)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == group:
+            found.append(int(entry.name))
+    return found
+
+
+def _get(engine: Engine, path: str) -> str:
+    import httpx
+
+    return httpx.get(engine.url + path, timeout=30).text
