@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import re
 import sys
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, requires
 
-from agent_gym.extras import install_hint
+from agent_gym.cli.parsing import missing_extra
 
 # Each subcommand: its help line and the module whose ``main(argv)`` runs it. The modules
 # import torch, so they are imported only when their command runs.
@@ -84,30 +82,9 @@ def _user_errors(main: Callable[[list[str]], int], argv: list[str]) -> int:
         except (RunConfigError, ModelSpecError, StoreError, BackendError, EngineError) as err:
             raise _UserError(" ".join(str(err).split())) from err
     except ImportError as err:  # a module missing, or (--ray) a module's own hint about it
-        missing = next((cause.name for cause in (err, err.__cause__)
-                        if isinstance(cause, ImportError) and cause.name), None)
-        extra = extra_providing(missing or "")
-        if extra is None:
+        line = missing_extra(err)
+        if line is None:
             raise
-        hint = install_hint(extra)
-        raise _UserError(" ".join(str(err).split()) if hint in str(err) else
-                         f"this command needs the {extra} extra ({err}): {hint}") from err
+        raise _UserError(line) from err
 
 
-def extra_providing(module: str) -> str | None:
-    """The extra of agent-gym (``train`` first) that installs the top-level package of
-    ``module``, read off the installed package's metadata (pyproject's
-    ``optional-dependencies``): one list, not a copy of it here. None: no extra does."""
-    top = module.partition(".")[0].lower().replace("-", "_")
-    try:
-        requirements = requires("agent-gym") or []
-    except PackageNotFoundError:
-        return None
-    extras: list[str] = []
-    for requirement in requirements:
-        distribution, _, marker = requirement.partition(";")
-        named = re.match(r"[A-Za-z0-9._-]+", distribution.strip())
-        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", marker)
-        if named and extra and named.group().lower().replace("-", "_") == top:
-            extras.append(extra.group(1))
-    return "train" if "train" in extras else next(iter(extras), None)
