@@ -19,7 +19,9 @@ sampler does). Each arm's figure is sampled tokens per second of the rollout pha
 (``time_rollout``: env steps included, the engine's start and the adapter's publication
 not), and its ratio to the baseline; the vLLM arm adds the share of prompt tokens its
 prefix cache held (``engine_prefix_hit_rate``) and the learner's logprob gap to the
-engine's on the sampled tokens.
+engine's on the sampled tokens. ``lora_cost`` says what bounds the vLLM arm: the engine's
+prefill of a 1500-token prompt and its decode rate at 32 rows, on the base model and through
+a LoRA adapter (the learner's, rank 32, as the trainers publish it), on one server.
 """
 
 from __future__ import annotations
@@ -72,6 +74,53 @@ def grpo_step(sampler: str, precision: str, device: str, threads: int) -> dict[s
     }
 
 
+def lora_cost(threads: int) -> dict[str, Any]:
+    """Prefill seconds of one 1500-token prompt and sampled tokens per second of 4 calls x 8
+    rows x 48 tokens, base model against adapter, on one vLLM server."""
+    import asyncio
+    import random
+    import time
+
+    from pytrio import ModelInput, SamplingParams
+
+    from agent_gym_train.backends.models import load_tokenizer, smollm2_dir
+    from agent_gym_train.backends.vllm import Engine, EngineConfig, VLLMSampler, VLLMWeights
+
+    async def decode(sampler: VLLMSampler, prompt: list[int]) -> float:
+        started = time.perf_counter()
+        replies = await asyncio.gather(*(sampler.sample_async(
+            ModelInput.from_ints(prompt), 8, SamplingParams(max_tokens=48, temperature=1.0))
+            for _ in range(4)))
+        tokens = sum(len(s.tokens) for reply in replies for s in reply.sequences)
+        return tokens / (time.perf_counter() - started)
+
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine.start(EngineConfig(smollm2_dir(), "smollm2", 32, 1,
+                                           Path(tmp) / "vllm.log", threads=threads))
+        try:
+            tokenizer = load_tokenizer("smollm2")
+            weights = VLLMWeights(engine, tokenizer, Path(tmp) / "adapters", keep=1)
+            learner = LocalServiceClient(checkpoint_dir=Path(tmp) / "ck", device="cpu",
+                                         threads=threads)
+            adapter = weights.publish(
+                learner.create_lora_training_client("smollm2", rank=32, seed=0).save_adapter)
+            short = tokenizer.encode("Tell me about a robot that cleans a kitchen. " * 10)
+            for name, sampler in (("base", weights.base()), ("lora", adapter)):
+                asyncio.run(decode(sampler, short))  # warm-up
+                long = [random.Random(0).randrange(100, 40000) for _ in range(1500)]
+                started = time.perf_counter()
+                asyncio.run(sampler.sample_async(ModelInput.from_ints(long), 1,
+                                                 SamplingParams(max_tokens=1)))
+                prefill = time.perf_counter() - started
+                figures[name] = {"prefill_1500_tokens_s": round(prefill, 2),
+                                 "decode_32_rows_tok_s": round(
+                                     asyncio.run(decode(sampler, short)), 1)}
+        finally:
+            engine.close()
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
@@ -89,6 +138,7 @@ def main() -> int:
     figures["local"] = timed(lambda: grpo_step("local", precision, device, options.threads))
     record.write(out)
     figures["vllm"] = timed(lambda: grpo_step("vllm", "float32", device, options.threads))
+    figures["lora_cost"] = timed(lambda: lora_cost(options.threads))
     last = baseline(device, options.threads)
     one_row = (first + last) / 2
     figures["one_row_generate_tok_s"] = [round(first, 2), round(last, 2)]
