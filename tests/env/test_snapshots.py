@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ import pytest
 
 from agent_gym import (
     BackendFailure,
+    EnvState,
     Opening,
     StateError,
     StateMismatchError,
@@ -324,18 +325,28 @@ def test_a_record_is_never_taken_across_data_settings_or_an_engine_that_cannot_r
     assert unable.save_state() == state
 
 
-def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> None:
+def rewrite_second_record(tmp_path: Path, edit: Callable[[dict[str, Any]], bytes]
+                          ) -> tuple[StoredTally, EnvState]:
+    """A fresh instance on a store whose record of step 2 ``edit`` rewrote (from the record
+    as JSON to the stored bytes), and the state to restore."""
     first, fresh = shared(tmp_path)
     state = played(first)[-1]
-    # Damage the record of step 2 the way stale code would: another observation.
     damaged = StoredTally(str(tmp_path / "store.sqlite"))
     damaged.reset(options={"task_id": "zero"})
     damaged.step("3")
     key = chain_key(damaged.prefixes.head, "x", None)
-    entry = json.loads(zlib.decompress(damaged.prefixes.store.get(key)))
-    entry["transition"]["observation"] = "total 1000"
-    fresh.prefixes.store.put(key, zlib.compress(json.dumps(entry).encode()))
+    fresh.prefixes.store.put(key, edit(json.loads(zlib.decompress(
+        damaged.prefixes.store.get(key)))))
     fresh.prefixes.store.clear_memory()
+    return fresh, state
+
+
+def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> None:
+    def stale(entry: dict[str, Any]) -> bytes:  # what stale code would have recorded
+        entry["transition"]["observation"] = "total 1000"
+        return zlib.compress(json.dumps(entry).encode())
+
+    fresh, state = rewrite_second_record(tmp_path, stale)
     observation, info = fresh.reset(options={"state": state})
     assert observation == "total 15" and info["snapshot_source"] is None  # replayed
     assert fresh.steps == len(ACTIONS) and fresh.save_state() == state
@@ -344,25 +355,19 @@ def test_a_record_that_disagrees_is_settled_by_real_replay(tmp_path: Path) -> No
         options={"state": state})[1]["snapshot_source"] == "store"
 
 
-
 def test_a_record_that_inflates_past_the_bound_is_not_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A small store record may hold any size once inflated: past the bound
     (``hoststore.inflate``) it is refused unread, and the restore redoes only the records
     before it, replaying the rest."""
-    first, fresh = shared(tmp_path)
-    state = played(first)[-1]
-    damaged = StoredTally(str(tmp_path / "store.sqlite"))
-    damaged.reset(options={"task_id": "zero"})
-    damaged.step("3")
-    key = chain_key(damaged.prefixes.head, "x", None)
-    entry = json.loads(zlib.decompress(damaged.prefixes.store.get(key)))
-    entry["padding"] = " " * (4 * 2**20)  # the same record, 4 MB larger once inflated
-    bomb = zlib.compress(json.dumps(entry).encode(), 9)
-    assert len(bomb) < 2**15
-    fresh.prefixes.store.put(key, bomb)
-    fresh.prefixes.store.clear_memory()
+    def padded(entry: dict[str, Any]) -> bytes:  # the same record, 4 MB larger inflated
+        entry["padding"] = " " * (4 * 2**20)
+        bomb = zlib.compress(json.dumps(entry).encode(), 9)
+        assert len(bomb) < 2**15
+        return bomb
+
+    fresh, state = rewrite_second_record(tmp_path, padded)
     monkeypatch.setattr("agent_gym.hoststore.MAX_INFLATED_BYTES", 2**20)
     observation, info = fresh.reset(options={"state": state})
     assert observation == "total 15"
