@@ -85,8 +85,11 @@ def test_grpo_steps_train_on_the_engines_tokens_and_the_new_adapter_samples_next
     # each step's sampler was a freshly published adapter; only the newest stays loaded
     loaded = {m["id"] for m in json.loads(_get(engine, "/v1/models"))["data"]} - before
     assert len(loaded) == 1 and next(iter(loaded)).endswith("-1")
-    # the journal of the last step holds what the engine sampled, token for token
-    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+    # every metrics line says how much of its step's prompts the engine's prefix cache held
+    lines = [json.loads(line) for line in
+             (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2
+    assert all(0 <= line["engine_prefix_hit_rate"] <= 1 for line in lines)
 
 
 def test_a_datum_holds_the_sampled_tokens_and_their_engine_logprobs(
@@ -114,8 +117,9 @@ def test_a_datum_holds_the_sampled_tokens_and_their_engine_logprobs(
         # every sampled token and only those train, each with the logprob the engine gave
         assert trained == [p - 1 for span in sequence.spans for p in range(span.start, span.end)]
         assert [targets[i] for i in trained] == [sequence.tokens[i + 1] for i in trained]
+        # the datum stores logprobs as float32: equal to the engine's up to that rounding
         assert [logprobs[i] for i in trained] == pytest.approx(
-            [lp for span in sequence.spans for lp in span.logprobs])
+            [lp for span in sequence.spans for lp in span.logprobs], rel=1e-6, abs=1e-6)
         assert episode.version == 0
 
 
