@@ -1,23 +1,38 @@
-"""``agent-gym train demo``: watch the embedded model learn a bundled task (what `make run` does).
+"""``agent-gym train demo``: watch the embedded model learn a task by imitation, then by
+reinforcement (what `make run` does).
 
     agent-gym train demo                      # into runs/demo; rerunning it continues there
     rm -rf runs/demo && time agent-gym train demo   # re-measure from scratch
 
-Three stages, each into its own directory under ``--out``: the embedded SmolLM2-135M plays
-every held-out question of Search-v0 (``split="test"``, 18 questions it is never trained
-on; greedy, as ``agent-gym eval`` does); it is fine-tuned on the oracle demonstrations of
-the 56 ``split="train"`` questions (``agent-gym train sft --preset cpu-demo``); the
-checkpoint plays the held-out questions again. It prints the before/after table (successes
-out of episodes, with 95% Wilson intervals, and the held-out demonstrations' NLL per
-token), writes ``summary.json`` and the training curves (``sft/metrics.png``).
+Search-v0 on its ``world-large`` set: 1000 train and 250 test questions about two worlds
+that share no entity, so what the model gains on the test questions is procedure (search,
+read, search again, answer), not facts. Six stages, each into its own directory under
+``--out`` and each resumable the way its command is:
 
-Why SFT alone, without a GRPO or OPD stage after it: on two cores the two evals and the
-SFT epoch take most of the demo's budget, and the few GRPO steps that would fit could not
-move 18 held-out episodes by more than their interval (the figures:
-docs/experiments/learning.md).
+1. ``demos``: the oracle plays the first 200 train questions (its episodes are the
+   demonstrations);
+2. ``eval-base``: the embedded SmolLM2-135M plays the first 100 test questions, greedy, as
+   ``agent-gym eval`` does;
+3. ``sft``: ``agent-gym train sft --preset cpu-demo`` on the demonstrations;
+4. ``eval-sft``: the SFT checkpoint on the same test questions;
+5. ``grpo``: ``agent-gym train grpo`` from the SFT checkpoint on the train questions, 6
+   updates of 4 tasks x 8 branches, the task sampler that prefers tasks of mixed outcome;
+6. ``eval-grpo``: the GRPO checkpoint on the same test questions.
 
-Each stage is resumable the way its command is (eval keeps finished episodes, SFT continues
-from its checkpoint), so an interrupted demo picks up where it stopped.
+It ends with one table: each stage's held-out success with its 95% interval, and the
+difference to the stage before with its paired 95% interval (the same questions, so the
+interval is the paired one ``agent-gym compare`` gives), plus ``summary.json`` and the
+training curves (``sft/metrics.png``, ``grpo/metrics.png``).
+
+Why 100 test questions and 6 updates: the budget is 30 minutes on 2 cores, and the learner's
+update on 32 episodes takes most of a GRPO step there (about 90 s of it). Six updates moved
+the SFT checkpoint by about 30 points on these questions, twelve (on all 250) by about 19 from
+a stronger SFT (docs/experiments/learning.md); at such gains the paired interval on 100
+questions (about +-0.12) is clear of 0, and an eval of 100 on vLLM takes about a minute.
+
+Rollouts and evals sample from vLLM (``--sampler vllm``, merged weights) when ``make
+setup`` has built its venv, and from the local sampler otherwise (``--sampler local``; the
+same stages, slower).
 """
 
 from __future__ import annotations
@@ -25,107 +40,232 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
-from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from agent_gym.cli.parsing import OneLineParser
+from agent_gym.eval.compare import compare
 from agent_gym.eval.config import EvalConfig
+from agent_gym.eval.policies import make_policy
 from agent_gym.eval.run import evaluate
-from agent_gym.eval.summary import Summary
-from agent_gym_train import sft
+from agent_gym.eval.runfiles import SUMMARY_FILE
+from agent_gym.eval.runs import read_run
+from agent_gym.eval.summary import Summary, summarize
+from agent_gym_train import grpo, sft
+from agent_gym_train.backends import SAMPLERS
+from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.backends.merged import save_engine_model
+from agent_gym_train.backends.models import load_model, load_tokenizer, model_dir
+from agent_gym_train.backends.runtime import THREADS_ENV, available_cores
+from agent_gym_train.backends.vllm import (
+    BASE_WEIGHTS,
+    Engine,
+    EngineConfig,
+    MergedWeights,
+    vllm_python,
+)
 from agent_gym_train.plot import plot
-from agent_gym_train.policies import sampler_policy
+from agent_gym_train.policies import SamplerPolicy, sampler_policy
 from agent_gym_train.run.args import with_preset
 from agent_gym_train.run.envpool import check_env
-from agent_gym_train.run.files import CHECKPOINT_FILE, Checkpoint
+from agent_gym_train.run.files import checkpoint_path
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
-DESCRIPTION = ("``agent-gym train demo``: watch the embedded model learn a bundled task "
-               "(what `make run` does).")
+DESCRIPTION = ("``agent-gym train demo``: watch the embedded model learn a task by imitation, "
+               "then by reinforcement (what `make run` does).")
 
 ENV_ID = "agent_gym/Search-v0"
-TRAIN, TEST = {"split": "train"}, {"split": "test"}
-HELD_OUT = 18  # questions in Search-v0's test split: each is played once
-MAX_TOKENS, MAX_TURNS = 48, 4  # per reply, per episode: an oracle episode needs 2-4 of ~30
+TRAIN = {"dataset": "world-large", "split": "train"}
+TEST = {"dataset": "world-large", "split": "test"}
+DEMOS = 200  # oracle demonstrations: the first train questions
+HELD_OUT = 100  # test questions every stage plays, each once
+MAX_TOKENS, MAX_TURNS = 48, 4  # per reply, per episode: an oracle episode needs 2-4
+GRPO_STEPS = 6
 
 
-def held_out_success(policy: str, out: Path, args: argparse.Namespace) -> tuple[Summary, float]:
-    """Greedy episodes of ``policy`` on every held-out question; its summary and seconds."""
+@dataclass(frozen=True)
+class Stage:
+    """One row of the table: a policy's held-out summary, and against the row before it."""
+
+    name: str
+    summary: Summary
+    seconds: float
+    difference: tuple[float, float, float] | None = None  # paired: value, low, high
+
+
+class Players:
+    """The policies the held-out stages play: on one vLLM server that serves every stage
+    (GRPO's rollouts too: a server's start costs about a minute, four would cost four), its
+    weights reloaded for each checkpoint, or on the local sampler."""
+
+    def __init__(self, out: Path, args: argparse.Namespace) -> None:
+        self.out, self.args = out, args
+        self.engine: Engine | None = None
+        if args.sampler == "vllm":
+            base = save_engine_model(load_model("smollm2"), model_dir("smollm2"),
+                                     out / "engine" / BASE_WEIGHTS)
+            self.engine = Engine.start(EngineConfig(
+                base, "smollm2", 0, 1, out / "vllm.log", threads=args.threads, reloads=True))
+
+    def player(self, checkpoint: Path | None) -> SamplerPolicy:
+        spec = f"{self.args.sampler}:smollm2" + (f"@{checkpoint}" if checkpoint else "")
+        if self.engine is None:
+            return sampler_policy(spec, seed=0, max_tokens=MAX_TOKENS, device=self.args.device,
+                                  threads=self.args.threads)
+        if checkpoint is None:
+            weights = MergedWeights(self.engine, load_tokenizer("smollm2"), self.out / "engine",
+                                    keep=1, loaded=None)
+            sampler = weights.base()
+        else:
+            weights = MergedWeights(self.engine, load_tokenizer("smollm2"),
+                                    self.out / "engine" / checkpoint.name, keep=1, loaded=None)
+            local = LocalServiceClient(checkpoint_dir=self.out / "engine" / "checkpoints",
+                                       device="cpu", threads=self.args.threads)
+            client = local.create_training_client_from_state(checkpoint_path(str(checkpoint)))
+            sampler = weights.publish(weights.saver(client))
+        return SamplerPolicy(spec, sampler, max_tokens=MAX_TOKENS, temperature=0.0, seed=0)
+
+    def held_out(self, checkpoint: Path | None, out: Path) -> tuple[Summary, float]:
+        """Greedy episodes on the first ``HELD_OUT`` test questions (none when a finished
+        run is there already: no weights are loaded for it)."""
+        started = time.perf_counter()
+        if (out / SUMMARY_FILE).is_file():
+            done = read_run(out)
+            if len(done.episodes) >= HELD_OUT:
+                return summarize(done.config, list(done.episodes.values()),
+                                 len(done.errors)), 0.0
+        player = self.player(checkpoint)
+        config = EvalConfig(ENV_ID, player.name, HELD_OUT, 0, {**TEST, "max_turns": MAX_TURNS},
+                            max_tokens=MAX_TOKENS)
+        summary = asyncio.run(evaluate(config, player, out, progress=self.args.progress,
+                                       concurrency=32 if self.engine else 8))
+        return summary, time.perf_counter() - started
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def demonstrations(out: Path, args: argparse.Namespace) -> float:
+    """The oracle's episodes on the first ``DEMOS`` train questions (no model: seconds)."""
     started = time.perf_counter()
-    player = sampler_policy(policy, seed=0, max_tokens=MAX_TOKENS, device=args.device,
-                            threads=args.threads)
-    config = EvalConfig(ENV_ID, policy, HELD_OUT, 0, {**TEST, "max_turns": MAX_TURNS})
-    summary = asyncio.run(evaluate(config, player, out, concurrency=8,
-                                   progress=args.progress))
-    return summary, time.perf_counter() - started
+    config = EvalConfig(ENV_ID, "oracle", DEMOS, 0, TRAIN)
+    asyncio.run(evaluate(config, make_policy("oracle", seed=0), out, progress=args.progress))
+    return time.perf_counter() - started
 
 
-def table(rows: Sequence[tuple[str, Summary, float | None]]) -> str:
-    """The before/after table: successes of episodes, rate, 95% Wilson interval, NLL."""
-    lines = [f"{'model':<28} {'held-out success':<18} {'95% CI':<14} {'NLL/token':>9}"]
-    for name, summary, nll in rows:
-        successes = round((summary.success_rate or 0.0) * summary.episodes)
-        lines.append(
-            f"{name:<28} {f'{successes}/{summary.episodes}':<7} "
-            f"{(summary.success_rate or 0.0):<10.2f} "
-            f"{f'[{summary.success_low:.2f}, {summary.success_high:.2f}]':<14} "
-            f"{'' if nll is None else f'{nll:.3f}':>9}")
+def table(stages: list[Stage]) -> str:
+    lines = [f"{'policy':<22} {'held-out success':<20} {'95% CI':<14} "
+             f"{'vs the row above [paired 95% CI]':<34} {'time':>6}"]
+    for stage in stages:
+        s = stage.summary
+        successes = round((s.success_rate or 0.0) * s.tasks)
+        versus = ("" if stage.difference is None else
+                  "{:+.2f} [{:+.2f}, {:+.2f}]".format(*stage.difference))
+        lines.append(f"{stage.name:<22} {f'{successes}/{s.tasks}':<8} "
+                     f"{(s.success_rate or 0.0):<11.2f} "
+                     f"{f'[{s.success_low:.2f}, {s.success_high:.2f}]':<14} {versus:<34} "
+                     f"{stage.seconds / 60:>4.1f}m")
     return "\n".join(lines)
+
+
+def paired(before: Path, after: Path) -> tuple[float, float, float]:
+    result = compare([read_run(before)], [read_run(after)], "before", "after").overall
+    return result.difference, result.low, result.high
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="agent-gym train demo", description=DESCRIPTION)
     parser.add_argument("--out", default="runs/demo",
                         help="run directory; rerunning into it continues (default runs/demo)")
+    parser.add_argument("--sampler", choices=SAMPLERS, default=None,
+                        help="where rollouts and evals sample (default: vllm when make setup "
+                             "has built its venv, else local)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or mps")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: the free cores, or $AGENT_GYM_THREADS)")
+                        help="threads of every stage (default: $AGENT_GYM_THREADS, else every "
+                             "usable core)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="show progress bars")
     args = parser.parse_args(argv)
+    args.sampler = args.sampler or ("vllm" if vllm_python().is_file() else "local")
+    # Every core, every stage: the demo is the machine's only job, and the load its own
+    # previous stage leaves would make each trainer's free-core default take one.
+    args.threads = args.threads or int(os.environ.get(THREADS_ENV) or available_cores())
     # Both splits build before a model loads or --out is made: a missing extra (Search-v0's
     # index needs bm25s) is one line now, not a traceback after the first stage's model.
     for kwargs in (TRAIN, {**TEST, "max_turns": MAX_TURNS}):
         check_env(ENV_ID, kwargs, option=None)
     out = Path(args.out)
     started = time.perf_counter()
+    print(f"sampling with {args.sampler}" + ("" if args.sampler == "vllm" else
+          " (no vLLM venv: `make setup` builds it; the local sampler is slower)"), flush=True)
+    players = Players(out, args)
+    try:
+        return stages(out, args, players, started)
+    finally:
+        players.close()
 
-    print(f"1/3 the embedded model on {HELD_OUT} held-out {ENV_ID} questions", flush=True)
-    base, base_seconds = held_out_success("local:smollm2", out / "eval-base", args)
 
-    print("2/3 SFT on the oracle demonstrations of the train split "
-          "(agent-gym train sft --preset cpu-demo)", flush=True)
+def stages(out: Path, args: argparse.Namespace, players: Players, started: float) -> int:
+
+    print(f"1/6 the oracle on the first {DEMOS} train questions: the demonstrations",
+          flush=True)
+    demo_seconds = demonstrations(out / "demos", args)
+    print(f"2/6 the embedded model on {HELD_OUT} held-out questions", flush=True)
+    base, base_seconds = players.held_out(None, out / "eval-base")
+
+    print(f"3/6 SFT on the {DEMOS} demonstrations (agent-gym train sft --preset cpu-demo)",
+          flush=True)
     t0 = time.perf_counter()
-    sft_args = with_preset(sft.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
-                           heldout_env_kwargs=TEST, out=str(out / "sft"), device=args.device,
-                           threads=args.threads, progress=args.progress)
-    sft.train(sft_args)
+    sft.train(with_preset(sft.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
+                          demos=str(out / "demos"), out=str(out / "sft"), device=args.device,
+                          threads=args.threads, progress=args.progress))
     sft_seconds = time.perf_counter() - t0
-    rows = [json.loads(line) for line in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
-    nll_before = next((r["heldout_nll_before"] for r in rows if "heldout_nll_before" in r), None)
-    nll_after = [r["heldout_nll"] for r in rows if "heldout_nll" in r][-1]
-    checkpoint = Checkpoint.read(out / "sft" / CHECKPOINT_FILE).path
-    curves = plot(out / "sft")
+    print("4/6 the SFT checkpoint on the held-out questions", flush=True)
+    after_sft, sft_eval_seconds = players.held_out(out / "sft", out / "eval-sft")
 
-    print("3/3 the fine-tuned model on the same held-out questions", flush=True)
-    after, after_seconds = held_out_success(f"local:smollm2@{checkpoint}", out / "eval-sft",
-                                            args)
+    print(f"5/6 GRPO from the SFT checkpoint, {GRPO_STEPS} updates of 4 tasks x 8 branches "
+          "(agent-gym train grpo --init-from SFT)", flush=True)
+    t0 = time.perf_counter()
+    grpo.train(with_preset(
+        grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(out / "sft"),
+        batch_size=4, group_size=8, learning_rate=1e-4, task_sampler="mixed",
+        steps=GRPO_STEPS, save_every=1, sampler=args.sampler, out=str(out / "grpo"),
+        vllm_url=players.engine.url if players.engine else None,
+        device=args.device, threads=args.threads, progress=args.progress))
+    grpo_seconds = time.perf_counter() - t0
+    print("6/6 the GRPO checkpoint on the held-out questions", flush=True)
+    after_grpo, grpo_eval_seconds = players.held_out(out / "grpo", out / "eval-grpo")
+
+    stages = [
+        Stage("SmolLM2-135M (base)", base, base_seconds),
+        Stage("after SFT", after_sft, sft_seconds + sft_eval_seconds,
+              paired(out / "eval-base", out / "eval-sft")),
+        Stage("after SFT + GRPO", after_grpo, grpo_seconds + grpo_eval_seconds,
+              paired(out / "eval-sft", out / "eval-grpo")),
+    ]
+    curves = [str(plot(out / "sft")), str(plot(out / "grpo"))]
     total = time.perf_counter() - started
-    print(table([("SmolLM2-135M (base)", base, nll_before),
-                 (f"after SFT ({len(rows)} steps)", after, nll_after)]))
+    print(table(stages))
     summary = {
-        "env_id": ENV_ID, "heldout": TEST, "train": TRAIN, "episodes": HELD_OUT,
+        "env_id": ENV_ID, "train": TRAIN, "heldout": TEST, "heldout_questions": HELD_OUT,
+        "demonstrations": DEMOS, "grpo_steps": GRPO_STEPS, "sampler": args.sampler,
         "decoding": "greedy", "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
-        "base": base.__dict__, "sft": after.__dict__,
-        "heldout_nll_before": nll_before, "heldout_nll_after": nll_after,
-        "sft_steps": len(rows), "checkpoint": checkpoint, "curves": str(curves),
-        "seconds": {"eval_base": round(base_seconds, 1), "sft": round(sft_seconds, 1),
-                    "eval_sft": round(after_seconds, 1), "total": round(total, 1)},
+        "stages": [{"name": s.name, "summary": asdict(s.summary), "vs_previous": s.difference,
+                    "seconds": round(s.seconds, 1)} for s in stages],
+        "curves": curves,
+        "seconds": {"demos": round(demo_seconds, 1), "eval_base": round(base_seconds, 1),
+                    "sft": round(sft_seconds, 1), "eval_sft": round(sft_eval_seconds, 1),
+                    "grpo": round(grpo_seconds, 1), "eval_grpo": round(grpo_eval_seconds, 1),
+                    "total": round(total, 1)},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    print(f"curves: {curves}; summary: {out / 'summary.json'}; {total:.0f} s in all")
+    print(f"curves: {', '.join(curves)}; summary: {out / 'summary.json'}; "
+          f"{total / 60:.1f} min in all")
     return 0
 
 

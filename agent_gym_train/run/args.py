@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 
 from agent_gym import untrusted
 from agent_gym.cli.parsing import OneLineParser
-from agent_gym_train.backends import BACKENDS, SAMPLER_PRECISIONS, SAMPLERS
+from agent_gym_train.backends import BACKENDS, SAMPLER_PRECISIONS, SAMPLERS, VLLM_WEIGHTS
 from agent_gym_train.run.files import CHECKPOINT_FILE, Checkpoint, RunConfigError
 from agent_gym_train.run.losses import AGGREGATIONS, POLICY_LOSSES, TOKEN_MEAN
 from agent_gym_train.run.losses import problems as loss_problems
@@ -115,7 +115,14 @@ class RunArgs:
         "stays on the local backend", SAMPLERS)
     vllm_url: str | None = option(
         None, "with --sampler vllm: a vLLM server already running, serving --model under "
-        "its name with --enable-lora (default: the run starts and stops its own)")
+        "its name (with --vllm-weights merged, started with VLLM_SERVER_DEV_MODE=1 from a "
+        "model with an untied head; with adapter, with --enable-lora) (default: the run "
+        "starts and stops its own)")
+    vllm_weights: str = option(
+        "merged", "with --sampler vllm: how each update reaches the engine: merged (the whole "
+        "model, adapter folded in, reloaded in place; the fast path on CPU, and full "
+        "fine-tuning's) or adapter (the LoRA adapter, loaded under a versioned name; vLLM's "
+        "fast path on GPU)", VLLM_WEIGHTS)
     batch_size: int | None = option(
         None, "groups (tasks) per step (default: 2 when the local backend runs on CPU, else 8)")
     learning_rate: float = option(4e-5, "Adam learning rate")
@@ -182,10 +189,9 @@ class RunArgs:
             (self.max_turns is not None and self.max_turns < 1, "--max-turns must be positive"),
             (self.sampler == "vllm" and self.backend != "local",
              "--sampler vllm samples for the local learner: PyTRIO samples on its own service"),
-            (self.sampler == "vllm" and self.lora_rank < 1,
-             "--sampler vllm loads each update's LoRA adapter into the running engine; full "
-             "fine-tuning (--lora-rank 0) would reload every weight each update: give a "
-             "positive --lora-rank or use --sampler local"),
+            (self.sampler == "vllm" and self.vllm_weights == "adapter" and self.lora_rank < 1,
+             "--vllm-weights adapter loads each update's LoRA adapter and full fine-tuning "
+             "(--lora-rank 0) has none: use --vllm-weights merged"),
             (self.vllm_url is not None and self.sampler != "vllm",
              "--vllm-url goes with --sampler vllm"),
         ]

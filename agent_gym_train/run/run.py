@@ -37,9 +37,11 @@ from agent_gym.render import ChatRenderer
 from agent_gym.seeding import derive_seed
 from agent_gym_train.backends import make_service
 from agent_gym_train.backends.vllm import (
+    BASE_WEIGHTS,
     Engine,
     EngineConfig,
     EngineTraining,
+    MergedWeights,
     VLLMWeights,
     keep_versions,
     served_model_name,
@@ -77,6 +79,8 @@ from agent_gym_train.run.rollout import RolloutConfig, Start, rollout_groups
 from agent_gym_train.run.tasks import TaskSampler
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from agent_gym_train.run.store import StateStore
 
 IDLE_WARNING = 3  # steps in a row that trained nothing before the run warns
@@ -134,6 +138,11 @@ class Run:
     _cpu_mark: float = field(default_factory=time.process_time, repr=False)
     # The engine's prefix-cache counters (tokens asked for, found) at the last metrics line.
     _cache_mark: tuple[float, float] = field(default=(0.0, 0.0), repr=False)
+    _engine_cpu_mark: float = field(default=0.0, repr=False)  # the engine's, likewise
+
+    def __post_init__(self) -> None:
+        if self.engine is not None:  # the engine's start-up is not the first step's
+            self._engine_cpu_mark = self.engine.cpu_seconds() or 0.0
 
     def checkpoints(self) -> dict[int, str]:
         """Backend paths of this run's latest checkpoints, by the step they complete (the
@@ -287,7 +296,8 @@ class Run:
         since the previous line, so runs that share a machine compare at equal CPU, not at
         equal wall-clock (a continued run's first line counts from its start). With
         ``--sampler vllm`` it also gets ``engine_prefix_hit_rate``: the share of the step's
-        prompt tokens the engine's prefix cache already held."""
+        prompt tokens the engine's prefix cache already held, and ``engine_cpu_step``: the
+        CPU seconds of the engine's processes, when the run started them."""
         now = time.process_time()
         row = {**row, "cpu_step": now - self._cpu_mark}
         self._cpu_mark = now
@@ -297,6 +307,10 @@ class Run:
                                              / (asked - self._cache_mark[0])
                                              if asked > self._cache_mark[0] else None)
             self._cache_mark = (asked, found)
+            spent = self.engine.cpu_seconds()
+            if spent is not None:
+                row["engine_cpu_step"] = spent - self._engine_cpu_mark
+                self._engine_cpu_mark = spent
         append_metrics(self.out / METRICS_FILE, row)
         self.idle_steps = 0 if trained_datums(row) else self.idle_steps + 1
         if self.bar is not None:
@@ -400,10 +414,8 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     earlier = keep_metrics_before(out / METRICS_FILE, resumed.step if resumed else 0)
     engine = None
     if args.sampler == "vllm":  # last: nothing after it can fail and leave it running
-        engine = open_engine(args, out)
-        training = EngineTraining(training, service, VLLMWeights(
-            engine, training.get_tokenizer(), out / "adapters",
-            keep_versions(getattr(args, "max_staleness", 0))))
+        engine, weights = open_engine(args, out, training.get_tokenizer())
+        training = EngineTraining(training, service, weights)
     return Run(
         args=args, out=out, steps=steps, service=service, training=training, resumed=resumed,
         renderer=ChatRenderer(training.get_tokenizer()),
@@ -418,15 +430,41 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
     )
 
 
-def open_engine(args: RunArgs, out: Path) -> Engine:
-    """The vLLM server of ``--sampler vllm``: ``--vllm-url``'s, or one the run starts from
-    ``--model``'s directory (its output in ``out/vllm.log``), LoRA at ``--lora-rank``."""
+def open_engine(args: RunArgs, out: Path, tokenizer: PreTrainedTokenizerBase
+                ) -> tuple[Engine, VLLMWeights | MergedWeights]:
+    """The vLLM server of ``--sampler vllm`` and how weights reach it: ``--vllm-url``'s, or
+    one the run starts (its output in ``out/vllm.log``): from the base model as
+    ``merged.save_engine_model`` writes it (``out/engine/base``) for merged weights, from
+    ``--model``'s directory with LoRA at ``--lora-rank`` for adapters."""
     name = served_model_name(args.model)
-    if args.vllm_url is not None:
-        return Engine.connect(args.vllm_url, name)
-    from agent_gym_train.backends.models import model_dir  # torch: only for a local engine
+    keep = keep_versions(getattr(args, "max_staleness", 0))
+    if args.vllm_weights == "adapter":
+        if args.vllm_url is not None:
+            engine = Engine.connect(args.vllm_url, name)
+        else:
+            from agent_gym_train.backends.models import model_dir  # torch: a local engine
 
-    return Engine.start(EngineConfig(
-        model_dir=model_dir(args.model), served_name=name, max_lora_rank=args.lora_rank,
-        max_loras=keep_versions(getattr(args, "max_staleness", 0)), log=out / "vllm.log",
-        threads=args.threads))
+            engine = Engine.start(EngineConfig(
+                model_dir=model_dir(args.model), served_name=name,
+                max_lora_rank=args.lora_rank, max_loras=keep, log=out / "vllm.log",
+                threads=args.threads))
+        return engine, VLLMWeights(engine, tokenizer, out / "adapters", keep)
+    from agent_gym_train.backends.merged import save_engine_model  # torch: the learner's side
+    from agent_gym_train.backends.models import load_model, model_dir
+
+    folder = out / "engine"
+    base = save_engine_model(load_model(args.model), model_dir(args.model),
+                             folder / BASE_WEIGHTS)
+    if args.vllm_url is not None:
+        engine = Engine.connect(args.vllm_url, name)
+        loaded = None
+    else:
+        engine = Engine.start(EngineConfig(
+            model_dir=base, served_name=name, max_lora_rank=0, max_loras=1,
+            log=out / "vllm.log", threads=args.threads, reloads=True))
+        loaded = BASE_WEIGHTS
+    try:
+        return engine, MergedWeights(engine, tokenizer, folder, keep, loaded)
+    except BaseException:
+        engine.close()
+        raise

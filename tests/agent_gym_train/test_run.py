@@ -63,7 +63,9 @@ def test_options_come_from_the_fields_of_the_trainers_args() -> None:
     defaults = parse_args(ToyArgs, [], "toy", "")
     assert defaults == ToyArgs() and defaults.max_turns is None and defaults.env_id == grpo_toy.ENV_ID
     for bad in (["--ratio", "2"], ["--max-turns", "0"], ["--loss", "dpo"], ["--save-every", "0"],
-                ["--backend", "pytrio", "--lora-rank", "0"], ["--temperature", "0.5"]):
+                ["--backend", "pytrio", "--lora-rank", "0"], ["--temperature", "0.5"],
+                ["--sampler", "vllm", "--vllm-weights", "adapter", "--lora-rank", "0"],
+                ["--vllm-url", "http://127.0.0.1:1"]):
         with pytest.raises(SystemExit):
             parse_args(ToyArgs, bad, "toy", "")
 

@@ -1,10 +1,16 @@
 """The vLLM sampler against a real vLLM server (``make setup`` builds its venv): token ids
-both ways, the learner's adapter loaded after every update and sampling next, a server that
-dies is one line, and no engine process outlives the run that started it."""
+both ways, the learner's weights (merged and reloaded, or its adapter loaded) after every
+update sampling next, a server that dies is one line, and no engine process outlives the
+run that started it.
+
+One server serves the module, started as a run starts its own for merged weights (the base
+model with its head untied, the reload endpoints open) and with LoRA on for the adapter
+path."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,14 +21,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from pytrio import ModelInput, SamplingParams
 
 from agent_gym.render import ChatRenderer
-from agent_gym_train.backends.models import load_tokenizer, smollm2_dir
+from agent_gym_train.backends.local import LocalServiceClient
+from agent_gym_train.backends.merged import save_engine_model
+from agent_gym_train.backends.models import load_model, load_tokenizer, smollm2_dir
 from agent_gym_train.backends.vllm import (
+    BASE_WEIGHTS,
     Engine,
     EngineConfig,
     EngineError,
+    MergedWeights,
+    VLLMSampler,
     VLLMWeights,
     vllm_python,
 )
@@ -39,9 +51,11 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    folder = tmp_path_factory.mktemp("vllm")
+    base = save_engine_model(load_model("smollm2"), smollm2_dir(), folder / BASE_WEIGHTS)
     running = Engine.start(EngineConfig(
-        model_dir=smollm2_dir(), served_name="smollm2", max_lora_rank=32, max_loras=2,
-        log=tmp_path_factory.mktemp("vllm") / "vllm.log", threads=1))
+        model_dir=base, served_name="smollm2", max_lora_rank=32, max_loras=2,
+        log=folder / "vllm.log", threads=1, reloads=True))
     yield running
     running.close()
 
@@ -72,7 +86,8 @@ def test_grpo_steps_train_on_the_engines_tokens_and_the_new_adapter_samples_next
     engine: Engine, tmp_path: Path
 ) -> None:
     args = Args(env_id="agent_gym/Search-v0", env_kwargs={"split": "train"},
-                sampler="vllm", vllm_url=engine.url, steps=2, batch_size=2, group_size=2,
+                sampler="vllm", vllm_url=engine.url, vllm_weights="adapter",
+                steps=2, batch_size=2, group_size=2,
                 max_tokens=24, max_turns=2, learning_rate=1e-3, threads=1,
                 out=str(tmp_path / "run"), progress=False)
     before = {m["id"] for m in json.loads(_get(engine, "/v1/models"))["data"]}
@@ -123,6 +138,53 @@ def test_a_datum_holds_the_sampled_tokens_and_their_engine_logprobs(
         assert episode.version == 0
 
 
+def test_merged_weights_are_the_learners_and_each_request_runs_on_its_own_version(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """Two versions on one engine that holds one at a time: each request is scored on its
+    own sampler's weights however they interleave, and those are the learner's."""
+    tokenizer = load_tokenizer("smollm2")
+    learner = LocalServiceClient(checkpoint_dir=tmp_path / "ck", device="cpu", threads=1)
+    client = learner.create_lora_training_client("smollm2", rank=8, seed=0)
+    with torch.no_grad():  # an update large enough to tell the versions apart, head included
+        draw = torch.Generator().manual_seed(0)
+        for name, parameter in client.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=draw) * 0.02)
+    save_engine_model(load_model("smollm2"), smollm2_dir(), tmp_path / BASE_WEIGHTS)
+    weights = MergedWeights(engine, tokenizer, tmp_path, keep=2, loaded=None)
+    base, trained = weights.base(), weights.publish(weights.saver(client))
+    prompt = ModelInput.from_ints(ChatRenderer(tokenizer).prompt(
+        [{"role": "user", "content": "Name a colour."}]) + tokenizer.encode("Blue, like the sea"))
+
+    async def interleaved(samplers: list[VLLMSampler]) -> list[list[float | None]]:
+        return list(await asyncio.gather(*(s.compute_logprobs_async(prompt) for s in samplers)))
+
+    on_base, on_trained, base_again, trained_again = asyncio.run(
+        interleaved([base, trained, base, trained]))
+    assert weights.reloads >= 2  # the engine switched between the two versions
+    assert on_base[1:] == pytest.approx(base_again[1:], abs=1e-3)
+    assert on_trained[1:] == pytest.approx(trained_again[1:], abs=1e-3)
+    moved = max(abs(a - b) for a, b in zip(on_base[1:], on_trained[1:], strict=True))
+    learner_scores = client.save_weights_and_get_sampling_client().compute_logprobs(
+        prompt).result()
+    gap = [abs(a - b) for a, b in zip(on_trained[1:], learner_scores[1:], strict=True)]
+    # the engine's bfloat16 against the learner's float32: far closer than the two versions
+    assert sum(gap) / len(gap) < 0.1 < moved
+
+
+def test_full_fine_tuning_reaches_the_engine_as_merged_weights(
+    engine: Engine, tmp_path: Path
+) -> None:
+    args = Args(env_id="agent_gym/Search-v0", env_kwargs={"split": "train"},
+                sampler="vllm", vllm_url=engine.url, lora_rank=0, steps=2, batch_size=1,
+                group_size=2, max_tokens=16, max_turns=2, threads=1,
+                out=str(tmp_path / "run"), progress=False)
+    history = train(args)
+    assert [row["sampler_version"] for row in history] == [0, 1]
+    assert (tmp_path / "run" / "engine" / "v1" / "model.safetensors").is_file()
+
+
 def test_a_server_that_dies_is_one_line(engine: Engine, tmp_path: Path) -> None:
     """The module's last use of its server: killed, every later request is one line."""
     sampler = VLLMWeights(engine, load_tokenizer("smollm2"), tmp_path, keep=1).base()
@@ -134,29 +196,49 @@ def test_a_server_that_dies_is_one_line(engine: Engine, tmp_path: Path) -> None:
     assert "\n" not in str(caught.value)
 
 
-def test_no_engine_process_outlives_a_killed_run(tmp_path: Path) -> None:
-    """The run is SIGKILLed while its server serves: the kernel's parent-death signal stops
-    the server, and the server its workers."""
-    script = (
-        "import sys, time\n"
-        "from pathlib import Path\n"
-        "from agent_gym_train.backends.models import smollm2_dir\n"
-        "from agent_gym_train.backends.vllm import Engine, EngineConfig\n"
-        f"engine = Engine.start(EngineConfig(smollm2_dir(), 'smollm2', 0, 1, "
-        f"Path({str(tmp_path / 'vllm.log')!r}), threads=1))\n"
-        "print(engine.process.pid, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    run = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+def test_an_eval_on_a_checkpoint_samples_from_vllm_and_leaves_nothing_when_killed(
+    tmp_path: Path,
+) -> None:
+    """``agent-gym eval --policy vllm:smollm2@CHECKPOINT`` plays episodes on a server it
+    starts from the checkpoint's weights; SIGKILLed mid-eval, the kernel's parent-death
+    signal stops the server, and the server its workers."""
+    learner = LocalServiceClient(checkpoint_dir=tmp_path / "ck", device="cpu", threads=1)
+    checkpoint = learner.create_lora_training_client("smollm2", rank=8).save_state(
+        "c").result().path
+    out = tmp_path / "eval"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "agent_gym.cli", "eval", "agent_gym/Search-v0", "--policy",
+         f"vllm:smollm2@{checkpoint}", "--episodes", "18", "--env-arg", "split=test",
+         "--max-tokens", "24", "--concurrency", "1", "--quiet", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        group = int(run.stdout.readline())  # the server's pid is its process group's id
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and run.poll() is None and not (
+                (out / "episodes.jsonl").is_file() and (out / "episodes.jsonl").read_text()):
+            time.sleep(1)
+        servers = _members_of_children(run.pid)
+        assert run.poll() is None and servers, "the eval ended or never started its server"
+        played = json.loads((out / "episodes.jsonl").read_text().splitlines()[0])
+        assert played["completion_tokens"] > 0
     finally:
         run.kill()
         run.wait(timeout=30)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and _members(group):
+    while time.monotonic() < deadline and any(_members(group) for group in servers):
         time.sleep(1)
-    assert _members(group) == []
+    assert [_members(group) for group in servers] == [[] for _ in servers]
+
+
+def _members_of_children(parent: int) -> list[int]:
+    """The process groups of ``parent``'s children (each server leads its own)."""
+    groups = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == parent and int(fields[2]) == int(entry.name):
+                    groups.append(int(entry.name))
+    return groups
 
 
 def _members(group: int) -> list[int]:
