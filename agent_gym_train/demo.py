@@ -11,8 +11,8 @@ read, search again, answer), not facts. Six stages, each into its own directory 
 
 1. ``demos``: the oracle plays the first 200 train questions (its episodes are the
    demonstrations);
-2. ``eval-base``: the embedded SmolLM2-135M plays the first 100 test questions, greedy, as
-   ``agent-gym eval`` does;
+2. ``eval-base``: the embedded SmolLM2-135M plays 100 of the test questions (episodes 0-99
+   of ``agent-gym eval``, so the same 100 in every stage), greedy;
 3. ``sft``: ``agent-gym train sft --preset cpu-demo`` on the demonstrations;
 4. ``eval-sft``: the SFT checkpoint on the same test questions;
 5. ``grpo``: ``agent-gym train grpo`` from the SFT checkpoint on the train questions, 6
@@ -25,10 +25,10 @@ interval is the paired one ``agent-gym compare`` gives), plus ``summary.json`` a
 training curves (``sft/metrics.png``, ``grpo/metrics.png``).
 
 Why 100 test questions and 6 updates: the budget is 30 minutes on 2 cores, and the learner's
-update on 32 episodes takes most of a GRPO step there (about 90 s of it). Six updates moved
-the SFT checkpoint by about 30 points on these questions, twelve (on all 250) by about 19 from
-a stronger SFT (docs/experiments/learning.md); at such gains the paired interval on 100
-questions (about +-0.12) is clear of 0, and an eval of 100 on vLLM takes about a minute.
+update on 32 episodes takes most of a GRPO step there (60-130 s of it). Six updates moved
+SFT by 13 and by 34 points on these questions in two runs of this demo, twelve (on all 250)
+by about 19 (docs/experiments/learning.md); the paired interval on 100 questions was clear of
+0 in both runs, and an eval of 100 on vLLM takes about a minute.
 
 Rollouts and evals sample from vLLM (``--sampler vllm``, merged weights) when ``make
 setup`` has built its venv, and from the local sampler otherwise (``--sampler local``; the
@@ -129,7 +129,7 @@ class Players:
         return SamplerPolicy(spec, sampler, max_tokens=MAX_TOKENS, temperature=0.0, seed=0)
 
     def held_out(self, checkpoint: Path | None, out: Path) -> tuple[Summary, float]:
-        """Greedy episodes on the first ``HELD_OUT`` test questions (none when a finished
+        """Greedy episodes 0 to ``HELD_OUT - 1`` on the test questions (none when a finished
         run is there already: no weights are loaded for it)."""
         started = time.perf_counter()
         if (out / SUMMARY_FILE).is_file():
