@@ -75,7 +75,7 @@ from agent_gym_train.run.files import checkpoint_path
 
 # --help's description: the docstring's first paragraph, kept here (python -OO drops docstrings)
 DESCRIPTION = ("``agent-gym train demo``: watch the embedded model learn a task by imitation, "
-               "then by reinforcement (what `make run` does).")
+               "then by\nreinforcement (what `make run` does).")
 
 ENV_ID = "agent_gym/Search-v0"
 TRAIN = {"dataset": "world-large", "split": "train"}
