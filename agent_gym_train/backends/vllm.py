@@ -391,8 +391,7 @@ class MergedWeights:
         self.keep = max(1, keep)
         self.published: list[str] = []
         self.loaded = loaded  # the folder (under ``folder``) the engine holds; None: unknown
-        self.reloads = 0
-        self.reload_seconds = 0.0
+        self.reloads = 0  # weight switches so far
         self._in_flight = 0
         self._turn = threading.Condition()
         try:
@@ -433,7 +432,8 @@ class MergedWeights:
                 await asyncio.shield(acquiring)
             except asyncio.CancelledError:  # the thread still takes its turn: give it back
                 acquiring.add_done_callback(
-                    lambda done: None if done.exception() else self._release())
+                    lambda done: None if done.cancelled() or done.exception()
+                    else self._release())
                 raise
             try:
                 yield
@@ -447,9 +447,7 @@ class MergedWeights:
             while self.loaded != name and self._in_flight:
                 self._turn.wait()
             if self.loaded != name:
-                started = time.perf_counter()
                 self.engine.reload(self.folder / name)
-                self.reload_seconds += time.perf_counter() - started
                 self.reloads += 1
                 self.loaded = name
             self._in_flight += 1

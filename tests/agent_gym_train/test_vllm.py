@@ -157,11 +157,16 @@ def test_merged_weights_are_the_learners_and_each_request_runs_on_its_own_versio
     prompt = ModelInput.from_ints(ChatRenderer(tokenizer).prompt(
         [{"role": "user", "content": "Name a colour."}]) + tokenizer.encode("Blue, like the sea"))
 
-    async def interleaved(samplers: list[VLLMSampler]) -> list[list[float | None]]:
-        return list(await asyncio.gather(*(s.compute_logprobs_async(prompt) for s in samplers)))
+    async def twice(sampler: VLLMSampler) -> list[list[float | None]]:
+        # One request of a sampler at a time: this server also serves LoRA (for the adapter
+        # test), and the CPU wheel's LoRA logits fail on two prompt-logprob requests in one
+        # batch; a server of merged weights alone runs without LoRA.
+        return [await sampler.compute_logprobs_async(prompt) for _ in range(2)]
 
-    on_base, on_trained, base_again, trained_again = asyncio.run(
-        interleaved([base, trained, base, trained]))
+    async def interleaved() -> list[list[list[float | None]]]:
+        return list(await asyncio.gather(twice(base), twice(trained)))
+
+    (on_base, base_again), (on_trained, trained_again) = asyncio.run(interleaved())
     assert weights.reloads >= 2  # the engine switched between the two versions
     assert on_base[1:] == pytest.approx(base_again[1:], abs=1e-3)
     assert on_trained[1:] == pytest.approx(trained_again[1:], abs=1e-3)
