@@ -130,7 +130,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
     args = device_defaults(args)
     with open_run(args, args.steps, service) as run:
         config = run.rollout_config(args.group_size, args.history_window)
-        objective = off_policy_objective(run.objective, args.sampler_precision,
+        objective = off_policy_objective(run.objective, args.sampler, args.sampler_precision,
                                          args.max_staleness, args.max_importance_weight)
 
         def collect(step: int, policy: VersionedSampler) -> Collected:

@@ -315,7 +315,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
         check_tokenizers(run.training.get_tokenizer(), teacher.get_tokenizer())
         openings: dict[int, tuple[list[int], list[int]]] = {}
         config = run.rollout_config(args.group_size)
-        objective = off_policy_objective(run.objective, args.sampler_precision,
+        objective = off_policy_objective(run.objective, args.sampler, args.sampler_precision,
                                          args.max_staleness, args.max_importance_weight)
 
         def collect(step: int, policy: VersionedSampler) -> Collected:

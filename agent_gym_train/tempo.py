@@ -224,7 +224,7 @@ def train(args: Args, service: ServiceClient | None = None) -> list[Metrics]:
             # ---- one update on actor and critic datums together
             trained = run.update(batch.datums, supervised=batch.supervised,
                                  objective=off_policy_objective(
-                                     run.objective, args.sampler_precision, 0,
+                                     run.objective, args.sampler, args.sampler_precision, 0,
                                      MAX_IMPORTANCE_WEIGHT))
             t2 = time.perf_counter()
             evicted = store.add(batch.states)

@@ -60,17 +60,18 @@ MAX_IMPORTANCE_WEIGHT = 2.0  # the default bound of ``Objective.truncated``
 def max_importance_weight_option() -> float:
     """``--max-importance-weight``: the bound of ``Objective.truncated``."""
     return option(MAX_IMPORTANCE_WEIGHT,
-                  "with --max-staleness or --sampler-precision bfloat16: the largest "
-                  "importance weight of a token under --loss importance_sampling "
+                  "with --max-staleness, --sampler-precision bfloat16 or --sampler vllm: the "
+                  "largest importance weight of a token under --loss importance_sampling "
                   "(truncated importance sampling)")
 
 
-def off_policy_objective(objective: Objective, sampler_precision: str, max_staleness: int,
-                         max_importance_weight: float) -> Objective:
+def off_policy_objective(objective: Objective, sampler: str, sampler_precision: str,
+                         max_staleness: int, max_importance_weight: float) -> Objective:
     """``objective``, truncated (``Objective.truncated``) when the samples come from other
-    weights than the learner's: older ones (``max_staleness``) or a bfloat16 copy
-    (``--sampler-precision``), whose logprobs differ from the learner's by the rounding."""
-    exact = max_staleness == 0 and sampler_precision == "float32"
+    weights than the learner's: older ones (``max_staleness``), a bfloat16 copy
+    (``--sampler-precision``) or an engine (``--sampler vllm``: its own precision and
+    kernels), whose logprobs differ from the learner's by the rounding."""
+    exact = max_staleness == 0 and sampler == "local" and sampler_precision == "float32"
     return objective if exact else objective.truncated(max_importance_weight)
 
 

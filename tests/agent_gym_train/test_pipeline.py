@@ -263,15 +263,18 @@ def test_a_bfloat16_sampler_trains_importance_sampling_truncated(
         assert all(row["loss"] is not None for row in history if row["datums"])
 
 
-@pytest.mark.parametrize(("staleness", "precision", "truncated"), [
-    (0, "float32", False), (1, "float32", True), (0, "bfloat16", True), (2, "bfloat16", True)])
+@pytest.mark.parametrize(("sampler", "staleness", "precision", "truncated"), [
+    ("local", 0, "float32", False), ("local", 1, "float32", True),
+    ("local", 0, "bfloat16", True), ("local", 2, "bfloat16", True),
+    ("vllm", 0, "float32", True)])
 def test_samples_from_other_weights_train_truncated(
-    staleness: int, precision: str, truncated: bool
+    sampler: str, staleness: int, precision: str, truncated: bool
 ) -> None:
-    """Every trainer asks ``off_policy_objective``: data from older weights or from a
-    rounded copy trains importance_sampling truncated; exact on-policy data does not, and a
+    """Every trainer asks ``off_policy_objective``: data from older weights, a rounded copy
+    or an engine trains importance_sampling truncated; exact on-policy data does not, and a
     loss that clips its own ratio is left as it is."""
     plain = Objective("importance_sampling")
-    got = off_policy_objective(plain, precision, staleness, 1.5)
+    got = off_policy_objective(plain, sampler, precision, staleness, 1.5)
     assert got == (plain.truncated(1.5) if truncated else plain)
-    assert off_policy_objective(Objective("ppo"), precision, staleness, 1.5) == Objective("ppo")
+    assert (off_policy_objective(Objective("ppo"), sampler, precision, staleness, 1.5)
+            == Objective("ppo"))
