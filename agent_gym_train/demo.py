@@ -59,7 +59,12 @@ from agent_gym_train.backends import SAMPLERS
 from agent_gym_train.backends.local import LocalServiceClient
 from agent_gym_train.backends.merged import save_engine_model
 from agent_gym_train.backends.models import load_model, load_tokenizer, model_dir
-from agent_gym_train.backends.runtime import THREADS_ENV, available_cores
+from agent_gym_train.backends.runtime import (
+    THREADS_ENV,
+    available_cores,
+    native_bf16,
+    resolve_device,
+)
 from agent_gym_train.backends.vllm import (
     BASE_WEIGHTS,
     Engine,
@@ -128,18 +133,19 @@ class Players:
             sampler = weights.publish(weights.saver(client))
         return SamplerPolicy(spec, sampler, max_tokens=MAX_TOKENS, temperature=0.0, seed=0)
 
-    def held_out(self, checkpoint: Path | None, out: Path) -> tuple[Summary, float]:
-        """Greedy episodes 0 to ``HELD_OUT - 1`` on the test questions (none when a finished
+    def held_out(self, checkpoint: Path | None, out: Path, questions: int = HELD_OUT
+                 ) -> tuple[Summary, float]:
+        """Greedy episodes 0 to ``questions - 1`` on the test questions (none when a finished
         run is there already: no weights are loaded for it)."""
         started = time.perf_counter()
         if (out / SUMMARY_FILE).is_file():
             done = read_run(out)
-            if len(done.episodes) >= HELD_OUT:
+            if len(done.episodes) >= questions:
                 return summarize(done.config, list(done.episodes.values()),
                                  len(done.errors)), 0.0
         player = self.player(checkpoint)
-        config = EvalConfig(ENV_ID, player.name, HELD_OUT, 0, {**TEST, "max_turns": MAX_TURNS},
-                            max_tokens=MAX_TOKENS)
+        config = EvalConfig(ENV_ID, player.name, questions, 0,
+                            {**TEST, "max_turns": MAX_TURNS}, max_tokens=MAX_TOKENS)
         summary = asyncio.run(evaluate(config, player, out, progress=self.args.progress,
                                        concurrency=32 if self.engine else 8))
         return summary, time.perf_counter() - started
@@ -155,6 +161,21 @@ def demonstrations(out: Path, args: argparse.Namespace) -> float:
     config = EvalConfig(ENV_ID, "oracle", DEMOS, 0, TRAIN)
     asyncio.run(evaluate(config, make_policy("oracle", seed=0), out, progress=args.progress))
     return time.perf_counter() - started
+
+
+def grpo_recipe(sft_run: Path, out: Path, steps: int, players: Players, **given: object
+                ) -> grpo.Args:
+    """GRPO from ``sft_run`` on the train questions: 4 tasks x 8 branches at lr 1e-4, the
+    task sampler that prefers tasks of mixed outcome; rollouts on the players' sampler (its
+    vLLM server, or the local sampler's bfloat16 copy where the CPU multiplies bf16)."""
+    engine = players.engine
+    precision = ("bfloat16" if engine is None and native_bf16(resolve_device(players.args.device))
+                 else "float32")
+    return with_preset(
+        grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
+        batch_size=4, group_size=8, learning_rate=1e-4, task_sampler="mixed", steps=steps,
+        save_every=1, sampler=players.args.sampler, sampler_precision=precision,
+        vllm_url=engine.url if engine else None, out=str(out), **given)
 
 
 def table(stages: list[Stage]) -> str:
@@ -231,12 +252,8 @@ def stages(out: Path, args: argparse.Namespace, players: Players, started: float
     print(f"5/6 GRPO from the SFT checkpoint, {GRPO_STEPS} updates of 4 tasks x 8 branches "
           "(agent-gym train grpo --init-from SFT)", flush=True)
     t0 = time.perf_counter()
-    grpo.train(with_preset(
-        grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(out / "sft"),
-        batch_size=4, group_size=8, learning_rate=1e-4, task_sampler="mixed",
-        steps=GRPO_STEPS, save_every=1, sampler=args.sampler, out=str(out / "grpo"),
-        vllm_url=players.engine.url if players.engine else None,
-        device=args.device, threads=args.threads, progress=args.progress))
+    grpo.train(grpo_recipe(out / "sft", out / "grpo", GRPO_STEPS, players, device=args.device,
+                           threads=args.threads, progress=args.progress))
     grpo_seconds = time.perf_counter() - t0
     print("6/6 the GRPO checkpoint on the held-out questions", flush=True)
     after_grpo, grpo_eval_seconds = players.held_out(out / "grpo", out / "eval-grpo")

@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
 from agent_gym.eval.stats import wilson_interval
 from agent_gym.eval.summary import Summary
 from agent_gym_train import sft
+from agent_gym_train.backends.runtime import native_bf16
 from agent_gym_train.cli import COMMANDS
-from agent_gym_train.demo import HELD_OUT, Stage, table
+from agent_gym_train.demo import HELD_OUT, Players, Stage, grpo_recipe, table
 
 
 def summary(successes: int, episodes: int) -> Summary:
@@ -31,3 +38,18 @@ def test_the_table_shows_counts_intervals_and_each_stage_against_the_one_before(
 def test_the_demo_is_a_train_command_and_trains_with_the_sft_preset() -> None:
     assert COMMANDS["demo"][1] == "agent_gym_train.demo"
     assert sft.Args.PRESETS["cpu-demo"]["epochs"] == 1
+
+
+def test_grpo_is_the_demos_recipe_on_the_players_sampler(tmp_path: Path) -> None:
+    """The benchmark of the same recipe (benchmarks/bench_search_rl.py) builds its runs here
+    too: 4 tasks x 8 branches at lr 1e-4 with the mixed task sampler; the local sampler
+    reads a bfloat16 copy where the CPU has bf16 units, and so trains truncated."""
+    players = Players(tmp_path, argparse.Namespace(sampler="local", device="cpu", threads=1,
+                                                   progress=False))
+    args = grpo_recipe(tmp_path / "sft", tmp_path / "grpo", 3, players, seed=2)
+    assert (args.batch_size, args.group_size, args.task_sampler, args.steps, args.seed) == (
+        4, 8, "mixed", 3, 2)
+    assert args.learning_rate == pytest.approx(1e-4)  # the value given, not a computed one
+    assert (args.init_from, args.sampler, args.vllm_url) == (str(tmp_path / "sft"), "local", None)
+    assert args.sampler_precision == (
+        "bfloat16" if native_bf16(torch.device("cpu")) else "float32")
