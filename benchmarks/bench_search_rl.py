@@ -2,7 +2,7 @@
 vLLM and by the local sampler: held-out success, seconds per update, logprob mismatch.
 
     python benchmarks/bench_search_rl.py [--work DIR] [--steps 12] [--seeds 0 1 2]
-                                         [--samplers vllm local]
+                                         [--arms vllm local vllm-stale1]
 
 Search-v0 on its ``world-large`` set (1000 train and 250 test questions about two worlds
 that share no entity), the recipe of ``make run`` (``agent_gym_train.demo``) at issue #38's
@@ -11,17 +11,18 @@ length:
 1. the oracle on the first 200 train questions: the demonstrations;
 2. ``agent-gym train sft --preset cpu-demo`` on them: the one SFT checkpoint every arm
    starts from;
-3. per seed, per sampler: ``agent-gym train grpo --init-from SFT``, ``--steps`` updates of
+3. per seed, per arm: ``agent-gym train grpo --init-from SFT``, ``--steps`` updates of
    4 tasks x 8 branches (``demo.grpo_recipe``), rollouts from ``--sampler vllm`` (merged
-   weights on the bench's one server) or ``--sampler local`` (its bfloat16 copy where the
-   CPU has bf16 units);
+   weights on the bench's one server), ``--sampler local`` (its bfloat16 copy where the
+   CPU has bf16 units) or, arm ``vllm-stale1``, vLLM with ``--max-staleness 1``;
 4. every checkpoint on all 250 test questions, greedy, on that one vLLM server (the same
    evaluator for every arm), and each run against SFT and the two samplers of a seed
    against each other, paired by question.
 
 Seed-major and one run at a time, each with every core, so the seconds per update of the
-two samplers are measured under the same conditions; every stage resumes where it stopped
-and the result file is rewritten after each, so a partial sitting records what it ran.
+arms are measured under the same conditions; every stage resumes where it stopped, and the
+result file, rewritten after each, holds every run finished in ``--work`` (earlier
+sittings' too).
 CPU seconds: the trainer's own (``cpu_step``) and, for vLLM, the engine's processes over
 the run (from /proc).
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from harness import RESULTS, Result  # noqa: E402
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
-from agent_gym.eval.summary import Summary  # noqa: E402
+from agent_gym.eval.summary import Summary, summarize  # noqa: E402
 from agent_gym_train import grpo, sft  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
 from agent_gym_train.demo import (  # noqa: E402
@@ -98,14 +98,22 @@ def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
             "engine_prefix_hit_rate_mean": mean("engine_prefix_hit_rate")}
 
 
+# Each arm: GRPO's sampler and how far behind the learner it may sample.
+ARMS: dict[str, dict[str, Any]] = {
+    "vllm": {"sampler": "vllm", "max_staleness": 0},
+    "local": {"sampler": "local", "max_staleness": 0},
+    # The engine samples step t+1 while the learner trains on step t.
+    "vllm-stale1": {"sampler": "vllm", "max_staleness": 1},
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="runs/bench-search-rl",
                         help="where the runs go (recorded as $WORK)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--samplers", nargs="+", choices=("vllm", "local"),
-                        default=["vllm", "local"])
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=["vllm", "local"])
     parser.add_argument("--out", default=str(RESULTS / "search_rl.json"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
@@ -126,30 +134,27 @@ def main() -> int:
         sft.train(with_preset(sft.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
                               demos=str(work / "oracle"), out=str(work / "sft"),
                               device="cpu", threads=threads, progress=False))
-        sft_summary, _ = players.held_out(work / "sft", work / "eval-sft", QUESTIONS)
-        runs: dict[str, dict[str, Any]] = {}
+        players.held_out(work / "sft", work / "eval-sft", QUESTIONS)
         for seed in args.seeds:
-            for sampler in args.samplers:
-                name = f"grpo-{sampler}-seed{seed}"
+            for arm in args.arms:
+                name = f"grpo-{arm}-seed{seed}"
                 run = work / name
                 if checkpoint_step(run) < args.steps:
                     print(f"{name}: {args.steps} updates", flush=True)
-                    options.sampler = sampler
-                    before = engine.cpu_seconds()
-                    grpo.train(grpo_recipe(work / "sft", run, args.steps, players,
-                                           seed=seed, device="cpu", threads=threads,
-                                           progress=False))
+                    options.sampler = ARMS[arm]["sampler"]
+                    before = engine.cpu_seconds() or 0.0
+                    grpo.train(grpo_recipe(
+                        work / "sft", run, args.steps, players, seed=seed,
+                        max_staleness=ARMS[arm]["max_staleness"], device="cpu",
+                        threads=threads, progress=False))
                     options.sampler = "vllm"
-                    if sampler == "vllm":
+                    if ARMS[arm]["sampler"] == "vllm":
                         engine_cpu[name] = round(engine_cpu.get(name, 0.0)
-                                                 + engine.cpu_seconds() - before, 1)
+                                                 + (engine.cpu_seconds() or 0.0) - before, 1)
                         replace_file(cpu_file, json.dumps(engine_cpu, indent=1))
                 print(f"{name}: held-out eval", flush=True)
-                summary, _ = players.held_out(run, work / f"eval-{name}", QUESTIONS)
-                runs[name] = {"sampler": sampler, "seed": seed, "held_out": brief(summary),
-                              "vs_sft": paired(work / "eval-sft", work / f"eval-{name}"),
-                              "training": training(run, engine_cpu.get(name))}
-                record.figures = figures(args, work, sft_summary, runs)
+                players.held_out(run, work / f"eval-{name}", QUESTIONS)
+                record.figures = figures(args.steps, work, engine_cpu)
                 record.write(args.out)
     finally:
         players.close()
@@ -157,25 +162,36 @@ def main() -> int:
     return 0
 
 
-def figures(args: argparse.Namespace, work: Path, sft_summary: Summary,
-            runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    seeds = sorted({run["seed"] for run in runs.values()})
-    both = [seed for seed in seeds
-            if all(f"grpo-{s}-seed{seed}" in runs for s in ("vllm", "local"))]
+def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, Any]:
+    """The record of every run finished in ``work``, this sitting's and earlier ones'."""
+    runs: dict[str, dict[str, Any]] = {}
+    for found in sorted(work.glob("eval-grpo-*-seed*/summary.json")):
+        name = found.parent.name.removeprefix("eval-")
+        arm, _, seed = name.removeprefix("grpo-").rpartition("-seed")
+        runs[name] = {"arm": arm, **ARMS[arm], "seed": int(seed),
+                      "held_out": brief(evaluated(work / f"eval-{name}")),
+                      "vs_sft": paired(work / "eval-sft", work / f"eval-{name}"),
+                      "training": training(work / name, engine_cpu.get(name))}
+    both = sorted(run["seed"] for run in runs.values() if run["arm"] == "vllm"
+                  and f"grpo-local-seed{run['seed']}" in runs)
     return {
         "env_id": ENV_ID, "train": TRAIN, "held_out": TEST, "held_out_questions": QUESTIONS,
         "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS, "decoding": "greedy",
         "evaluator": "every checkpoint on one vLLM server, merged bfloat16 weights",
         "demonstrations": "the oracle on the first 200 train questions",
-        "grpo_steps": args.steps, "seeds_run": seeds, "threads": available_cores(),
-        "load_average_now": round(os.getloadavg()[0], 2),
-        "sft": brief(sft_summary),
+        "grpo_steps": steps, "threads": available_cores(),
+        "sft": brief(evaluated(work / "eval-sft")),
         "runs": runs,
         # The two samplers of one seed, paired by question (vLLM minus local).
         "vllm_minus_local": {str(seed): paired(work / f"eval-grpo-local-seed{seed}",
                                                work / f"eval-grpo-vllm-seed{seed}")
                              for seed in both},
     }
+
+
+def evaluated(run: Path) -> Summary:
+    done = read_run(run)
+    return summarize(done.config, list(done.episodes.values()), len(done.errors))
 
 
 if __name__ == "__main__":
