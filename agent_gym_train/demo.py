@@ -155,10 +155,10 @@ class Players:
             self.engine.close()
 
 
-def demonstrations(out: Path, args: argparse.Namespace) -> float:
-    """The oracle's episodes on the first ``DEMOS`` train questions (no model: seconds)."""
+def demonstrations(out: Path, args: argparse.Namespace, questions: int = DEMOS) -> float:
+    """The oracle's episodes on the first ``questions`` train questions (no model: seconds)."""
     started = time.perf_counter()
-    config = EvalConfig(ENV_ID, "oracle", DEMOS, 0, TRAIN)
+    config = EvalConfig(ENV_ID, "oracle", questions, 0, TRAIN)
     asyncio.run(evaluate(config, make_policy("oracle", seed=0), out, progress=args.progress))
     return time.perf_counter() - started
 
@@ -175,7 +175,8 @@ def grpo_recipe(sft_run: Path, out: Path, steps: int, players: Players, **given:
         grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
         batch_size=4, group_size=8, learning_rate=1e-4, task_sampler="mixed", steps=steps,
         save_every=1, sampler=players.args.sampler, sampler_precision=precision,
-        vllm_url=engine.url if engine else None, out=str(out), **given)
+        vllm_url=engine.url if engine and players.args.sampler == "vllm" else None,
+        out=str(out), **given)
 
 
 def table(stages: list[Stage]) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from agent_gym.eval.summary import Summary, summarize  # noqa: E402
 from agent_gym_train import grpo, sft  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
 from agent_gym_train.demo import (  # noqa: E402
+    DEMOS,
     ENV_ID,
     MAX_TOKENS,
     MAX_TURNS,
@@ -98,13 +100,30 @@ def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
             "engine_prefix_hit_rate_mean": mean("engine_prefix_hit_rate")}
 
 
-# Each arm: GRPO's sampler and how far behind the learner it may sample.
-ARMS: dict[str, dict[str, Any]] = {
-    "vllm": {"sampler": "vllm", "max_staleness": 0},
-    "local": {"sampler": "local", "max_staleness": 0},
-    # The engine samples step t+1 while the learner trains on step t.
-    "vllm-stale1": {"sampler": "vllm", "max_staleness": 1},
+@dataclass(frozen=True)
+class Arm:
+    """How one arm's policy is trained: GRPO from the SFT checkpoint (on ``sampler``, at most
+    ``max_staleness`` updates behind), or SFT from the base model on more demonstrations
+    (``demos``; 0: as many as SFT's 200 plus the episodes a GRPO run plays)."""
+
+    kind: str  # "grpo" | "sft"
+    sampler: str | None = None
+    max_staleness: int = 0
+    demos: int = 0
+
+    def run(self, name: str, seed: int) -> str:
+        """The run's directory name (its eval's is ``eval-`` and this)."""
+        return f"{self.kind}-{name}-seed{seed}" if self.kind == "grpo" else f"{name}-seed{seed}"
+
+
+ARMS: dict[str, Arm] = {
+    "vllm": Arm("grpo", "vllm"),
+    "local": Arm("grpo", "local"),
+    "vllm-stale1": Arm("grpo", "vllm", max_staleness=1),  # samples t+1 while t trains
+    "sft-equal": Arm("sft"),  # RL against SFT at equal data
+    "sft-all": Arm("sft", demos=1000),  # every train question
 }
+EPISODES_PER_UPDATE = 4 * 8  # grpo_recipe's tasks x branches
 
 
 def main() -> int:
@@ -128,27 +147,35 @@ def main() -> int:
     record = Result(placeholders={str(work): "$WORK"})
     cpu_file = work / "engine_cpu.json"  # the engine's CPU seconds per vLLM run, all sittings
     engine_cpu: dict[str, float] = json.loads(cpu_file.read_text()) if cpu_file.is_file() else {}
+
+    def supervised(demos: int, out: Path, seed: int) -> None:
+        """SFT (``--preset cpu-demo``) on the oracle's first ``demos`` train questions."""
+        played = work / ("oracle" if demos == DEMOS else f"oracle-{demos}")
+        demonstrations(played, options, demos)
+        sft.train(with_preset(sft.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
+                              demos=str(played), out=str(out), seed=seed,
+                              device="cpu", threads=threads, progress=False))
+
     try:
         print("demonstrations and SFT", flush=True)
-        demonstrations(work / "oracle", options)
-        sft.train(with_preset(sft.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
-                              demos=str(work / "oracle"), out=str(work / "sft"),
-                              device="cpu", threads=threads, progress=False))
+        supervised(DEMOS, work / "sft", 0)
         players.held_out(work / "sft", work / "eval-sft", QUESTIONS)
         for seed in args.seeds:
-            for arm in args.arms:
-                name = f"grpo-{arm}-seed{seed}"
+            for name, arm in ((ARMS[a].run(a, seed), ARMS[a]) for a in args.arms):
                 run = work / name
-                if checkpoint_step(run) < args.steps:
-                    print(f"{name}: {args.steps} updates", flush=True)
-                    options.sampler = ARMS[arm]["sampler"]
+                print(f"{name}: training", flush=True)
+                if arm.kind == "sft":
+                    supervised(arm.demos or DEMOS + args.steps * EPISODES_PER_UPDATE, run,
+                               seed)
+                elif checkpoint_step(run) < args.steps:
+                    options.sampler = arm.sampler or "vllm"
                     before = engine.cpu_seconds() or 0.0
                     grpo.train(grpo_recipe(
                         work / "sft", run, args.steps, players, seed=seed,
-                        max_staleness=ARMS[arm]["max_staleness"], device="cpu",
-                        threads=threads, progress=False))
+                        max_staleness=arm.max_staleness, device="cpu", threads=threads,
+                        progress=False))
                     options.sampler = "vllm"
-                    if ARMS[arm]["sampler"] == "vllm":
+                    if arm.sampler == "vllm":
                         engine_cpu[name] = round(engine_cpu.get(name, 0.0)
                                                  + (engine.cpu_seconds() or 0.0) - before, 1)
                         replace_file(cpu_file, json.dumps(engine_cpu, indent=1))
@@ -165,27 +192,35 @@ def main() -> int:
 def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, Any]:
     """The record of every run finished in ``work``, this sitting's and earlier ones'."""
     runs: dict[str, dict[str, Any]] = {}
-    for found in sorted(work.glob("eval-grpo-*-seed*/summary.json")):
+    for found in sorted(work.glob("eval-*-seed*/summary.json")):
         name = found.parent.name.removeprefix("eval-")
         arm, _, seed = name.removeprefix("grpo-").rpartition("-seed")
-        runs[name] = {"arm": arm, **ARMS[arm], "seed": int(seed),
-                      "held_out": brief(evaluated(work / f"eval-{name}")),
-                      "vs_sft": paired(work / "eval-sft", work / f"eval-{name}"),
+        runs[name] = {"arm": arm, **asdict(ARMS[arm]), "seed": int(seed),
+                      "held_out": brief(evaluated(found.parent)),
+                      "vs_sft": paired(work / "eval-sft", found.parent),
                       "training": training(work / name, engine_cpu.get(name))}
-    both = sorted(run["seed"] for run in runs.values() if run["arm"] == "vllm"
-                  and f"grpo-local-seed{run['seed']}" in runs)
+
+    def against(base: str, other: str) -> dict[str, Any]:
+        """``other`` minus ``base`` per seed that has both, paired by question."""
+        pairs = {str(run["seed"]): (ARMS[base].run(base, run["seed"]), name)
+                 for name, run in runs.items() if run["arm"] == other}
+        return {seed: paired(work / f"eval-{before}", work / f"eval-{after}")
+                for seed, (before, after) in pairs.items() if before in runs}
+
     return {
         "env_id": ENV_ID, "train": TRAIN, "held_out": TEST, "held_out_questions": QUESTIONS,
         "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS, "decoding": "greedy",
         "evaluator": "every checkpoint on one vLLM server, merged bfloat16 weights",
-        "demonstrations": "the oracle on the first 200 train questions",
-        "grpo_steps": steps, "threads": available_cores(),
+        "demonstrations": f"the oracle on the first {DEMOS} train questions",
+        "grpo_steps": steps, "episodes_per_update": EPISODES_PER_UPDATE,
+        "threads": available_cores(),
         "sft": brief(evaluated(work / "eval-sft")),
         "runs": runs,
-        # The two samplers of one seed, paired by question (vLLM minus local).
-        "vllm_minus_local": {str(seed): paired(work / f"eval-grpo-local-seed{seed}",
-                                               work / f"eval-grpo-vllm-seed{seed}")
-                             for seed in both},
+        # Paired by question, seed by seed.
+        "vllm_minus_local": against("local", "vllm"),
+        "stale1_minus_vllm": against("vllm", "vllm-stale1"),
+        "grpo_minus_sft_equal": against("sft-equal", "vllm"),
+        "grpo_minus_sft_all": against("sft-all", "vllm"),
     }
 
 

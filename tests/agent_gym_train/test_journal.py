@@ -77,7 +77,8 @@ def test_a_journal_of_other_settings_is_discarded_on_opening(tmp_path: Path) -> 
     journal = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 0, "out": "a"}))
     journal.record(0, "group", 0, 0, in_flight(0))
     journal.close()
-    same = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 0, "out": "b", "threads": 2}))
+    same = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 0, "out": "b", "threads": 2,
+                                                       "vllm_url": "http://127.0.0.1:8001"}))
     assert same.discarded == 0 and same.take(0, "group", 0, version=0, branches=1)
     same.close()
     other = Journal(tmp_path / "j.sqlite", fingerprint({"seed": 1, "out": "a"}))
