@@ -167,16 +167,17 @@ def grpo_recipe(sft_run: Path, out: Path, steps: int, players: Players, **given:
                 ) -> grpo.Args:
     """GRPO from ``sft_run`` on the train questions: 4 tasks x 8 branches at lr 1e-4, the
     task sampler that prefers tasks of mixed outcome; rollouts on the players' sampler (its
-    vLLM server, or the local sampler's bfloat16 copy where the CPU multiplies bf16)."""
-    engine = players.engine
-    precision = ("bfloat16" if engine is None and native_bf16(resolve_device(players.args.device))
-                 else "float32")
+    vLLM server, or the local sampler's bfloat16 copy where the CPU multiplies bf16, the
+    faster of its two precisions). ``given`` overrides any of it."""
+    vllm = players.engine is not None and players.args.sampler == "vllm"
+    native = native_bf16(resolve_device(players.args.device))
+    settings: dict[str, object] = {
+        "sampler_precision": "bfloat16" if native and not vllm else "float32",
+        "vllm_url": players.engine.url if vllm and players.engine else None, **given}
     return with_preset(
         grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
         batch_size=4, group_size=8, learning_rate=1e-4, task_sampler="mixed", steps=steps,
-        save_every=1, sampler=players.args.sampler, sampler_precision=precision,
-        vllm_url=engine.url if engine and players.args.sampler == "vllm" else None,
-        out=str(out), **given)
+        save_every=1, sampler=players.args.sampler, out=str(out), **settings)
 
 
 def table(stages: list[Stage]) -> str:

@@ -1,30 +1,32 @@
-"""GRPO from one SFT checkpoint on 250 held-out Search questions, its rollouts sampled by
-vLLM and by the local sampler: held-out success, seconds per update, logprob mismatch.
+"""GRPO from one SFT checkpoint on 250 held-out Search questions: rollouts on vLLM against
+the local sampler and at staleness 1, and RL against SFT on as many demonstrations.
 
     python benchmarks/bench_search_rl.py [--work DIR] [--steps 12] [--seeds 0 1 2]
-                                         [--arms vllm local vllm-stale1]
+                                         [--arms vllm local vllm-stale1 sft-equal sft-all]
 
 Search-v0 on its ``world-large`` set (1000 train and 250 test questions about two worlds
 that share no entity), the recipe of ``make run`` (``agent_gym_train.demo``) at issue #38's
 length:
 
 1. the oracle on the first 200 train questions: the demonstrations;
-2. ``agent-gym train sft --preset cpu-demo`` on them: the one SFT checkpoint every arm
-   starts from;
-3. per seed, per arm: ``agent-gym train grpo --init-from SFT``, ``--steps`` updates of
-   4 tasks x 8 branches (``demo.grpo_recipe``), rollouts from ``--sampler vllm`` (merged
-   weights on the bench's one server), ``--sampler local`` (its bfloat16 copy where the
-   CPU has bf16 units) or, arm ``vllm-stale1``, vLLM with ``--max-staleness 1``;
+2. ``agent-gym train sft --preset cpu-demo`` on them: the SFT checkpoint the GRPO arms
+   start from;
+3. per seed, per arm (``ARMS``): ``agent-gym train grpo --init-from SFT``, ``--steps``
+   updates of 4 tasks x 8 branches (``demo.grpo_recipe``), rollouts from ``--sampler
+   vllm`` (merged weights on the bench's one server), from ``--sampler local`` at its
+   default precision (float32: the learner's own weights, so exactly on-policy), or from
+   vLLM with ``--max-staleness 1``; or SFT from the base model on the oracle's first
+   200 + steps x 32 train questions (as many demonstrations as SFT + GRPO played
+   episodes), or on all 1000;
 4. every checkpoint on all 250 test questions, greedy, on that one vLLM server (the same
-   evaluator for every arm), and each run against SFT and the two samplers of a seed
-   against each other, paired by question.
+   evaluator for every arm); each run against SFT, and arms against each other seed by
+   seed, paired by question.
 
-Seed-major and one run at a time, each with every core, so the seconds per update of the
-arms are measured under the same conditions; every stage resumes where it stopped, and the
+Seed-major and one run at a time, each with every core, so the arms' seconds per update
+are measured under the same conditions; every stage resumes where it stopped, and the
 result file, rewritten after each, holds every run finished in ``--work`` (earlier
-sittings' too).
-CPU seconds: the trainer's own (``cpu_step``) and, for vLLM, the engine's processes over
-the run (from /proc).
+sittings' too). CPU seconds: the trainer's own (``cpu_step``) and, for vLLM, the engine's
+processes over the run (from /proc).
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class Arm:
 
     kind: str  # "grpo" | "sft"
     sampler: str | None = None
+    precision: str = "float32"  # the local sampler's: the learner's own weights
     max_staleness: int = 0
     demos: int = 0
 
@@ -172,8 +175,8 @@ def main() -> int:
                     before = engine.cpu_seconds() or 0.0
                     grpo.train(grpo_recipe(
                         work / "sft", run, args.steps, players, seed=seed,
-                        max_staleness=arm.max_staleness, device="cpu", threads=threads,
-                        progress=False))
+                        sampler_precision=arm.precision, max_staleness=arm.max_staleness,
+                        device="cpu", threads=threads, progress=False))
                     options.sampler = "vllm"
                     if arm.sampler == "vllm":
                         engine_cpu[name] = round(engine_cpu.get(name, 0.0)
