@@ -55,10 +55,9 @@ from agent_gym_train.run.episode import DatumError, Episode, TokenSequence
 from agent_gym_train.run.files import RunConfigError
 
 JOURNAL_FILE = "rollouts.sqlite"
-# Settings that change how a run proceeds or where it runs, but not what its rollouts are.
-# Where and how fast the run computes, not what it samples: a rerun may change them and keep
-# its journal (a vLLM server started again listens on another port; each branch records the
-# weights version that sampled it).
+# Settings that change how a run proceeds or where it runs, but not what its rollouts are:
+# a rerun may change them and keep its journal (a vLLM server started again listens on
+# another port; each branch records the weights version that sampled it).
 NOT_FINGERPRINTED = frozenset({"out", "progress", "threads", "device", "ray", "api_key",
                                "concurrency", "steps", "save_every", "preset",
                                "activation_checkpointing", "vllm_url"})
