@@ -30,7 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +43,69 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_alfworld_sft import summary  # noqa: E402
-from bench_search_rl import DATASET, Stages, checkpoint_step, eval_done, held_out_eval  # noqa: E402
+from bench_alfworld_sft import ENV, agent_gym, summary  # noqa: E402
+from bench_search_rl import checkpoint_step  # noqa: E402
 from harness import RESULTS, Result  # noqa: E402
 
+from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.env import describe_env  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
 from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
 from agent_gym_train.run.files import read_metrics  # noqa: E402
+
+DATASET = "world-large"
+HELD_OUT = 250
+MAX_TOKENS, MAX_TURNS = 48, 4  # what --preset cpu-demo trains GRPO with
+
+
+def held_out_eval(policy: str, out: Path, precision: str) -> list[str]:
+    """``agent-gym eval`` of ``policy`` on Search-v0's 250 test questions, greedy."""
+    return agent_gym("eval", "agent_gym/Search-v0", "--policy", policy, "--episodes",
+                     str(HELD_OUT), "--env-arg", f"dataset={DATASET}", "--env-arg",
+                     "split=test", "--env-arg", f"max_turns={MAX_TURNS}", "--max-tokens",
+                     str(MAX_TOKENS), "--concurrency", "8", "--sampler-precision", precision,
+                     "--quiet", "--out", str(out))
+
+
+def eval_done(run: Path, episodes: int) -> bool:
+    path = run / "summary.json"
+    return path.is_file() and json.loads(path.read_text())["episodes"] >= episodes
+
+
+class Stages:
+    """Runs a stage's commands a few at a time and keeps each stage's wall-clock and CPU
+    seconds (children's user + system) in ``timings.json``."""
+
+    def __init__(self, work: Path) -> None:
+        self.file = work / "timings.json"
+        self.timings: dict[str, dict[str, float]] = (
+            json.loads(self.file.read_text()) if self.file.is_file() else {})
+
+    def run(self, name: str, commands: Sequence[tuple[str, list[str]]], at_once: int = 2
+            ) -> None:
+        """Run ``commands`` (label, argv) as stage ``name``, ``at_once`` side by side."""
+        if not commands:
+            return
+        started, cpu = time.perf_counter(), _children_cpu()
+        for pair in (commands[i:i + at_once] for i in range(0, len(commands), at_once)):
+            running = [(label, subprocess.Popen(argv, env=ENV, cwd=ROOT,
+                                                stdout=subprocess.DEVNULL))
+                       for label, argv in pair]
+            for label, process in running:
+                if process.wait() != 0:
+                    raise SystemExit(f"{name}: {label} failed (exit {process.returncode})")
+        previous = self.timings.get(name, {"wall_seconds": 0.0, "cpu_seconds": 0.0})
+        self.timings[name] = {
+            "wall_seconds": round(previous["wall_seconds"] + time.perf_counter() - started, 1),
+            "cpu_seconds": round(previous["cpu_seconds"] + _children_cpu() - cpu, 1)}
+        replace_file(self.file, json.dumps(self.timings, indent=1))
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
 
 MEMBERS = [
     {"env_id": "agent_gym/Search-v0", "env_kwargs": {"dataset": DATASET, "split": "train"},
