@@ -89,6 +89,7 @@ DEMOS = 200  # oracle demonstrations: the first train questions
 HELD_OUT = 100  # test questions every stage plays, each once
 MAX_TOKENS, MAX_TURNS = 48, 4  # per reply, per episode: an oracle episode needs 2-4
 GRPO_STEPS = 6
+GRPO_TASKS, GRPO_BRANCHES = 4, 8  # per update: tasks x branches of each
 
 
 @dataclass(frozen=True)
@@ -176,8 +177,9 @@ def grpo_recipe(sft_run: Path, out: Path, steps: int, players: Players, **given:
         "vllm_url": players.engine.url if vllm and players.engine else None, **given}
     return with_preset(
         grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
-        batch_size=4, group_size=8, learning_rate=1e-4, task_sampler="mixed", steps=steps,
-        save_every=1, sampler=players.args.sampler, out=str(out), **settings)
+        batch_size=GRPO_TASKS, group_size=GRPO_BRANCHES, learning_rate=1e-4,
+        task_sampler="mixed", steps=steps, save_every=1, sampler=players.args.sampler,
+        out=str(out), **settings)
 
 
 def table(stages: list[Stage]) -> str:

@@ -41,17 +41,19 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_alfworld_sft import summary  # noqa: E402
 from harness import RESULTS, Result  # noqa: E402
 
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
-from agent_gym.eval.summary import Summary, summarize  # noqa: E402
 from agent_gym_train import grpo, sft  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
 from agent_gym_train.demo import (  # noqa: E402
     DEMOS,
     ENV_ID,
+    GRPO_BRANCHES,
+    GRPO_TASKS,
     MAX_TOKENS,
     MAX_TURNS,
     TEST,
@@ -61,6 +63,7 @@ from agent_gym_train.demo import (  # noqa: E402
     grpo_recipe,
 )
 from agent_gym_train.run.args import with_preset  # noqa: E402
+from agent_gym_train.run.files import read_metrics  # noqa: E402
 
 QUESTIONS = 250  # every test question
 
@@ -68,12 +71,6 @@ QUESTIONS = 250  # every test question
 def checkpoint_step(run: Path) -> int:
     path = run / "checkpoint.json"
     return json.loads(path.read_text())["step"] if path.is_file() else 0
-
-
-def brief(summary: Summary) -> dict[str, Any]:
-    return {"episodes": summary.episodes, "success_rate": summary.success_rate,
-            "success_low": summary.success_low, "success_high": summary.success_high,
-            "mean_turns": summary.mean_turns}
 
 
 def paired(before: Path, after: Path) -> dict[str, Any]:
@@ -85,8 +82,7 @@ def paired(before: Path, after: Path) -> dict[str, Any]:
 
 def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
     """Seconds per update, CPU and the sampler's logprob mismatch, from the run's metrics."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = read_metrics(run / "metrics.jsonl")
 
     def mean(key: str) -> float | None:
         values = [row[key] for row in rows if row.get(key) is not None]
@@ -126,7 +122,7 @@ ARMS: dict[str, Arm] = {
     "sft-equal": Arm("sft"),  # RL against SFT at equal data
     "sft-all": Arm("sft", demos=1000),  # every train question
 }
-EPISODES_PER_UPDATE = 4 * 8  # grpo_recipe's tasks x branches
+EPISODES_PER_UPDATE = GRPO_TASKS * GRPO_BRANCHES
 
 
 def main() -> int:
@@ -199,7 +195,7 @@ def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, A
         name = found.parent.name.removeprefix("eval-")
         arm, _, seed = name.removeprefix("grpo-").rpartition("-seed")
         runs[name] = {"arm": arm, **asdict(ARMS[arm]), "seed": int(seed),
-                      "held_out": brief(evaluated(found.parent)),
+                      "held_out": summary(found.parent),
                       "vs_sft": paired(work / "eval-sft", found.parent),
                       "training": training(work / name, engine_cpu.get(name))}
 
@@ -217,7 +213,7 @@ def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, A
         "demonstrations": f"the oracle on the first {DEMOS} train questions",
         "grpo_steps": steps, "episodes_per_update": EPISODES_PER_UPDATE,
         "threads": available_cores(),
-        "sft": brief(evaluated(work / "eval-sft")),
+        "sft": summary(work / "eval-sft"),
         "runs": runs,
         # Paired by question, seed by seed.
         "vllm_minus_local": against("local", "vllm"),
@@ -225,11 +221,6 @@ def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, A
         "grpo_minus_sft_equal": against("sft-equal", "vllm"),
         "grpo_minus_sft_all": against("sft-all", "vllm"),
     }
-
-
-def evaluated(run: Path) -> Summary:
-    done = read_run(run)
-    return summarize(done.config, list(done.episodes.values()), len(done.errors))
 
 
 if __name__ == "__main__":
