@@ -80,7 +80,7 @@ def summary(run: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="runs/bench-alfworld-sft",
                         help="where the runs go (recorded as $WORK)")
     parser.add_argument("--demos", type=int, default=60)

@@ -122,7 +122,7 @@ def pooled(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="runs/bench-async",
                         help="where the runs go (recorded as $WORK)")
     parser.add_argument("--sft", default=None, help="an SFT run directory to start from")

@@ -71,7 +71,7 @@ def step_times(forward: Forward, model: torch.nn.Module, rows: int, positions: i
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--positions", type=int, default=400)
     parser.add_argument("--out", default=str(RESULTS / "compiled_decode.json"))

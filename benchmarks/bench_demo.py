@@ -26,7 +26,7 @@ from harness import RESULTS, Result  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="runs/demo", help="the demo's run directory")
     parser.add_argument("--out", default=str(RESULTS / "demo.json"))
     args = parser.parse_args()

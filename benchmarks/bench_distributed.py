@@ -77,7 +77,7 @@ def eval_workers(env_id: str, episodes: int, make_env: Any = None) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     default_env = "agent_gym/ALFWorld-v0"
     parser.add_argument("--env", default=default_env if default_env in gymnasium.registry
                         else "agent_gym/GSM8K-v0")

@@ -121,7 +121,7 @@ def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=256, help="per concurrent level")
     parser.add_argument("--sequential-episodes", type=int, default=48)
     parser.add_argument("--delay", type=float, default=0.1)

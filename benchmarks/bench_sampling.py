@@ -162,7 +162,7 @@ def bench_grpo_step(precision: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "sampling.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -126,7 +126,7 @@ EPISODES_PER_UPDATE = GRPO_TASKS * GRPO_BRANCHES
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="runs/bench-search-rl",
                         help="where the runs go (recorded as $WORK)")
     parser.add_argument("--steps", type=int, default=12)
@@ -214,12 +214,15 @@ def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, A
         "grpo_steps": steps, "episodes_per_update": EPISODES_PER_UPDATE,
         "threads": available_cores(),
         "sft": summary(work / "eval-sft"),
+        "sft_training": training(work / "sft", None),  # every GRPO arm's first stage
         "runs": runs,
         # Paired by question, seed by seed.
         "vllm_minus_local": against("local", "vllm"),
         "stale1_minus_vllm": against("vllm", "vllm-stale1"),
-        "grpo_minus_sft_equal": against("sft-equal", "vllm"),
-        "grpo_minus_sft_all": against("sft-all", "vllm"),
+        # RL against SFT at equal data, for GRPO on either sampler
+        **{f"grpo_minus_{sft_arm.replace('-', '_')}": {
+            sampler: against(sft_arm, sampler) for sampler in ("vllm", "local")}
+           for sft_arm in ("sft-equal", "sft-all")},
     }
 
 

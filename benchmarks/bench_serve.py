@@ -524,7 +524,7 @@ def sessions_section(levels: list[int], pace: float, duration: float) -> dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=960, help="steps per measurement")
     parser.add_argument("--rate", type=int, default=400,
                         help="steps/s all sessions offer together in the paced runs")

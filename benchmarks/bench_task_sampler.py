@@ -150,7 +150,7 @@ def training_figures(rows: list[dict[str, Any]], search_tasks: int) -> dict[str,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sft", default="runs/bench-search-rl/sft",
                         help="the Search SFT run to start from (bench_search_rl.py makes it)")
     parser.add_argument("--work", default="runs/bench-task-sampler",

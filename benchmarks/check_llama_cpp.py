@@ -128,7 +128,7 @@ def null_content_probe(url: str, model: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the server's base URL, ending in /v1")
     parser.add_argument("--model", default="smollm2", help="model name sent to the server")
     parser.add_argument("--episodes", type=int, default=4, help="per run")

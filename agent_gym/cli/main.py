@@ -424,7 +424,8 @@ def build_parser(plugins: Iterable[EntryPoint] = ()) -> argparse.ArgumentParser:
         "--policy", action="append", metavar="SPEC",
         help="repeatable; oracle | random | openai:MODEL@BASE_URL[#text] | "
         "local[:MODEL][@CHECKPOINT] (MODEL: smollm2, tiny or a HF directory) | "
-        "pytrio:MODEL[@CHECKPOINT]; default: oracle (a suite: oracle and local)",
+        "vllm[:MODEL][@CHECKPOINT] | pytrio:MODEL[@CHECKPOINT]; default: oracle (a suite: "
+        "oracle and local)",
     )
     evaluation.add_argument("--episodes", type=int, default=None,
                             help="episodes per env (default: 10, or the suite's counts)")

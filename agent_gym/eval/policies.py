@@ -18,16 +18,18 @@ Specs for the command line:
 * ``local[:MODEL][@CHECKPOINT]`` — the local torch backend's sampler (default model: the
   embedded SmolLM2-135M-Instruct; ``tiny``, or any local Hugging Face directory; a
   checkpoint saved by ``agent-gym train``);
+* ``vllm[:MODEL][@CHECKPOINT]`` — the same model or checkpoint served by a vLLM server the
+  policy starts from the vLLM venv (``make setup``) and stops when it closes;
 * ``pytrio:MODEL[@CHECKPOINT]`` — a PyTRIO sampler of a base model or a trained checkpoint
   (credentials as for ``pytrio``).
 
-The sampler policies (``local``, ``pytrio``) need torch or the PyTRIO SDK, which this
+The sampler policies (``local``, ``vllm``, ``pytrio``) need torch or the PyTRIO SDK, which this
 package does not depend on: another installed package supplies them under the
 ``agent_gym.policies`` entry-point group, one entry per spec prefix, each a callable
 ``(spec, *, seed, max_tokens, temperature, device, threads, precision) -> Policy``
 (``device``, ``threads`` and ``precision``, the dtype of the sampler's weights, place a
 local model; remote samplers ignore them). The bundled ``agent_gym_train``
-package registers both.
+package registers all three.
 
 A prompt longer than the policy's context is an outcome of the episode, not a failure of
 the policy: a policy raises :class:`ContextLengthError` (a server said so, or the prompt is

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,34 @@ def test_prompts_and_completions_travel_as_token_ids(engine: Engine, tmp_path: P
     scored = asyncio.run(sampler.compute_logprobs_async(ModelInput.from_ints(prompt + first)))
     assert scored[0] is None and len(scored) == len(prompt) + len(first)
     assert scored[len(prompt):] == pytest.approx(list(reply.sequences[0].logprobs), abs=0.05)
+
+
+def test_the_engine_samples_the_learners_distribution(engine: Engine, tmp_path: Path) -> None:
+    """At temperature 1 the engine's samples follow the learner's softmax: a server default
+    that cut the tail (top-k, top-p), tempered or went greedy, or samples that shared their
+    random draws, would bias GRPO's groups while every sampled token's logprob still agreed."""
+    tokenizer = load_tokenizer("smollm2")
+    prompt = tokenizer("My favourite colour is")["input_ids"]  # a next token of high entropy
+    with torch.no_grad():
+        logits = load_model("smollm2")(torch.tensor([prompt])).logits[0, -1].float()
+    top = torch.softmax(logits, -1).topk(20)
+    expected = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    tail = 1 - sum(expected.values())
+    assert max(expected.values()) < 0.2 and tail > 0.3  # so that each check below can fail
+    sampler = VLLMWeights(engine, tokenizer, tmp_path, keep=1).base()
+    n = 1000
+    reply = asyncio.run(sampler.sample_async(
+        ModelInput.from_ints(prompt), num_samples=n,
+        sampling_params=SamplingParams(max_tokens=1, temperature=1.0)))
+    drawn = Counter(sequence.tokens[0] for sequence in reply.sequences)
+
+    def close(share: float, p: float) -> bool:  # 4 standard errors, plus bf16's rounding
+        return abs(share - p) <= 4 * (p * (1 - p) / n) ** 0.5 + 0.01
+
+    for token, p in list(expected.items())[:5]:
+        assert close(drawn[token] / n, p), (tokenizer.decode([token]), drawn[token], p)
+    outside = sum(count for token, count in drawn.items() if token not in expected)
+    assert close(outside / n, tail), (outside, tail)
 
 
 def test_grpo_steps_train_on_the_engines_tokens_and_the_new_adapter_samples_next(

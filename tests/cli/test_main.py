@@ -147,7 +147,7 @@ def test_overview_version_and_help_name_every_policy_form(
         main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for form in ("oracle", "random", "openai:MODEL@BASE_URL", "local[:MODEL][@CHECKPOINT]",
-                 "tiny", "pytrio:MODEL[@CHECKPOINT]", "(default: 4)"):
+                 "tiny", "vllm[:MODEL][@CHECKPOINT]", "pytrio:MODEL[@CHECKPOINT]", "(default: 4)"):
         assert form in text, form
 
 
