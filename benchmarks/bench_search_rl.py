@@ -1,8 +1,9 @@
 """GRPO from one SFT checkpoint on 250 held-out Search questions: rollouts on vLLM against
-the local sampler and at staleness 1, and RL against SFT on as many demonstrations.
+the local sampler and at staleness 1, RL against SFT on as many demonstrations, and TEMPO
+against GRPO at equal CPU.
 
     python benchmarks/bench_search_rl.py [--work DIR] [--steps 12] [--seeds 0 1 2]
-                                         [--arms vllm local vllm-stale1 sft-equal sft-all]
+                               [--arms vllm local vllm-stale1 sft-equal sft-all tempo]
 
 Search-v0 on its ``world-large`` set (1000 train and 250 test questions about two worlds
 that share no entity), the recipe of ``make run`` (``agent_gym_train.demo``) at issue #38's
@@ -17,7 +18,8 @@ length:
    default precision (float32: the learner's own weights, so exactly on-policy), or from
    vLLM with ``--max-staleness 1``; or SFT from the base model on the oracle's first
    200 + steps x 32 train questions (as many demonstrations as SFT + GRPO played
-   episodes), or on all 1000;
+   episodes), or on all 1000; or TEMPO from the SFT checkpoint (``TEMPO_RECIPE``) until
+   it has spent the CPU seconds the local GRPO run of its seed spent (``--cpu-budget``);
 4. every checkpoint on all 250 test questions, greedy, on that one vLLM server (the same
    evaluator for every arm); each run against SFT, and arms against each other seed by
    seed, paired by question.
@@ -47,7 +49,7 @@ from harness import RESULTS, Result  # noqa: E402
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
-from agent_gym_train import grpo, sft  # noqa: E402
+from agent_gym_train import grpo, sft, tempo  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
 from agent_gym_train.demo import (  # noqa: E402
     DEMOS,
@@ -88,23 +90,27 @@ def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
         values = [row[key] for row in rows if row.get(key) is not None]
         return round(sum(values) / len(values), 4) if values else None
 
-    return {"updates": len(rows), "step_seconds_mean": mean("time_step"),
+    return {"updates": len(rows), "td_updates": sum(row.get("phase") == "td" for row in rows),
+            "step_seconds_mean": mean("time_step"),
             "rollout_seconds_mean": mean("time_rollout"), "train_seconds_mean": mean("time_train"),
             "trainer_cpu_seconds": round(sum(row["cpu_step"] for row in rows), 1),
             "engine_cpu_seconds": engine_cpu,
             "reward_mean": mean("reward_mean"), "degenerate_rate_mean": mean("degenerate_rate"),
             "logprob_gap_abs_mean": mean("logprob_gap_abs_mean"),
             "truncated_fraction_mean": mean("truncated_fraction"),
-            "engine_prefix_hit_rate_mean": mean("engine_prefix_hit_rate")}
+            "engine_prefix_hit_rate_mean": mean("engine_prefix_hit_rate"),
+            "critic_abs_error_mean": mean("critic/abs_error_mean"),
+            "critic_abs_error_constant_mean": mean("critic/abs_error_constant")}
 
 
 @dataclass(frozen=True)
 class Arm:
     """How one arm's policy is trained: GRPO from the SFT checkpoint (on ``sampler``, at most
-    ``max_staleness`` updates behind), or SFT from the base model on more demonstrations
-    (``demos``; 0: as many as SFT's 200 plus the episodes a GRPO run plays)."""
+    ``max_staleness`` updates behind), SFT from the base model on more demonstrations
+    (``demos``; 0: as many as SFT's 200 plus the episodes a GRPO run plays), or TEMPO from
+    the SFT checkpoint at the CPU of the local GRPO run of its seed."""
 
-    kind: str  # "grpo" | "sft"
+    kind: str  # "grpo" | "sft" | "tempo"
     sampler: str | None = None
     precision: str = "float32"  # the local sampler's: the learner's own weights
     max_staleness: int = 0
@@ -115,12 +121,25 @@ class Arm:
         return f"{self.kind}-{name}-seed{seed}" if self.kind == "grpo" else f"{name}-seed{seed}"
 
 
+# TEMPO's one recipe, fixed before its runs: docs/experiments/tempo.md's (the critic that
+# beat the best constant in three seeds: cross-entropy on the target reply, the median
+# readout, 8 replayed warm-up targets; 4 groups of 4 branches, macro-steps of 2 turns, half
+# of each TD update's groups fresh, lr 2e-4), with 8 warm-up updates instead of its 24, so
+# that the actor, which warm-up does not train, has most of a GRPO run's CPU; then TD
+# updates until the budget is spent. Rollouts on the local float32 sampler, as the local GRPO
+# arm's; replies and turns as every arm's.
+TEMPO_RECIPE = {"warmup_updates": 8, "td_updates": 1000, "batch_size": 4, "branches": 4,
+                "horizon": 2, "fresh_fraction": 0.5, "learning_rate": 2e-4,
+                "critic_replay": 8}
+
+
 ARMS: dict[str, Arm] = {
     "vllm": Arm("grpo", "vllm"),
     "local": Arm("grpo", "local"),
     "vllm-stale1": Arm("grpo", "vllm", max_staleness=1),  # samples t+1 while t trains
     "sft-equal": Arm("sft"),  # RL against SFT at equal data
     "sft-all": Arm("sft", demos=1000),  # every train question
+    "tempo": Arm("tempo", "local"),  # TEMPO against GRPO at equal CPU
 }
 EPISODES_PER_UPDATE = GRPO_TASKS * GRPO_BRANCHES
 
@@ -166,6 +185,17 @@ def main() -> int:
                 if arm.kind == "sft":
                     supervised(arm.demos or DEMOS + args.steps * EPISODES_PER_UPDATE, run,
                                seed)
+                elif arm.kind == "tempo":
+                    grpo_run = work / ARMS["local"].run("local", seed)
+                    if checkpoint_step(grpo_run) < args.steps:
+                        raise SystemExit(f"{name} spends the CPU of {grpo_run.name}: run "
+                                         f"--arms local --seeds {seed} first")
+                    budget = training(grpo_run, None)["trainer_cpu_seconds"]
+                    tempo.train(tempo.Args(
+                        env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(work / "sft"),
+                        max_tokens=MAX_TOKENS, max_turns=MAX_TURNS, seed=seed,
+                        cpu_budget=budget, save_every=1, out=str(run), device="cpu",
+                        threads=threads, progress=False, **TEMPO_RECIPE))
                 elif checkpoint_step(run) < args.steps:
                     options.sampler = arm.sampler or "vllm"
                     before = engine.cpu_seconds() or 0.0
@@ -222,6 +252,8 @@ def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, A
         # RL against SFT at equal data (and on every question), GRPO on either sampler
         "grpo_minus_sft_equal": {arm: against("sft-equal", arm) for arm in ("vllm", "local")},
         "grpo_minus_sft_all": {arm: against("sft-all", arm) for arm in ("vllm", "local")},
+        # TEMPO against GRPO (local sampler) at the GRPO run's CPU seconds
+        "tempo": {"recipe": TEMPO_RECIPE, "minus_grpo_local": against("local", "tempo")},
     }
 
 

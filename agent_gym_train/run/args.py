@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,11 @@ class RunArgs:
     concurrency: int = option(8, "groups rolled out at once")
     seed: int = option(0, "seed of tasks and sampling: the same seed replays the same run")
     save_every: int = option(5, "checkpoint every N steps (and at the end)")
+    cpu_budget: float | None = option(
+        None, "stop after the step that brings the run's CPU seconds to this many, and "
+        "checkpoint it: this process's (every thread) plus, with --sampler vllm, the engine "
+        "the run started, summed over every step (a continued run's earlier ones too); for "
+        "comparing methods at equal compute (default: the run's steps decide)")
     out: str = option("runs/run", OUT_HELP)
     progress: bool = option(True, "show a progress bar")
     preset: str | None = option(
@@ -187,6 +193,9 @@ class RunArgs:
              "--batch-size, --concurrency, --max-tokens, --save-every and --threads must be "
              "positive"),
             (self.max_turns is not None and self.max_turns < 1, "--max-turns must be positive"),
+            (self.cpu_budget is not None and not (math.isfinite(self.cpu_budget)
+                                                   and self.cpu_budget > 0),
+             "--cpu-budget must be a positive number of seconds"),
             (self.sampler == "vllm" and self.backend != "local",
              "--sampler vllm samples for the local learner: PyTRIO samples on its own service"),
             (self.sampler == "vllm" and self.vllm_weights == "adapter" and self.lora_rank < 1,

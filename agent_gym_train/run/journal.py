@@ -60,7 +60,7 @@ JOURNAL_FILE = "rollouts.sqlite"
 # another port; each branch records the weights version that sampled it).
 NOT_FINGERPRINTED = frozenset({"out", "progress", "threads", "device", "ray", "api_key",
                                "concurrency", "steps", "save_every", "preset",
-                               "activation_checkpointing", "vllm_url"})
+                               "activation_checkpointing", "vllm_url", "cpu_budget"})
 MAX_RECORD_CHARS = 256 * 2**20  # a branch's transcript and tokens; a longer one is dropped
 _COLUMNS = ["step", "purpose", "grp", "branch", "record", "digest"]
 

@@ -23,7 +23,7 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -139,6 +139,9 @@ class Run:
     # The engine's prefix-cache counters (tokens asked for, found) at the last metrics line.
     _cache_mark: tuple[float, float] = field(default=(0.0, 0.0), repr=False)
     _engine_cpu_mark: float = field(default=0.0, repr=False)  # the engine's, likewise
+    # CPU seconds of every step so far, the checkpointed ones of earlier invocations too
+    # (``cpu_step`` plus ``engine_cpu_step``): what ``--cpu-budget`` is spent against.
+    cpu_spent: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine is not None:  # the engine's start-up is not the first step's
@@ -170,13 +173,24 @@ class Run:
         """The first step this invocation runs."""
         return self.resumed.step if self.resumed else 0
 
-    def progress(self) -> tqdm:
-        """The steps still to run, as a progress bar (``--no-progress`` hides it)."""
+    def progress(self) -> Iterator[int]:
+        """The steps still to run, on a progress bar (``--no-progress`` hides it); they end
+        early once ``--cpu-budget`` is spent."""
         if self.resumed is not None:
             print(f"resuming {self.out} at step {self.start}", file=sys.stderr)
         self.bar = tqdm(range(self.start, self.steps), initial=self.start, total=self.steps,
                         disable=not self.args.progress)
-        return self.bar
+        for step in self.bar:
+            if self.budget_spent():
+                tqdm.write(f"{self.out}: --cpu-budget {self.args.cpu_budget:g} s spent "
+                           f"({self.cpu_spent:.0f} s) after {step} steps", file=sys.stderr)
+                self.bar.close()
+                return
+            yield step
+
+    def budget_spent(self) -> bool:
+        budget = self.args.cpu_budget
+        return budget is not None and self.cpu_spent >= budget
 
     def rng(self, step: int) -> np.random.Generator:
         """The step's generator (task choice, state draws): a function of (seed, step)."""
@@ -301,6 +315,7 @@ class Run:
         now = time.process_time()
         row = {**row, "cpu_step": now - self._cpu_mark}
         self._cpu_mark = now
+        self.cpu_spent += row["cpu_step"]
         if self.engine is not None:  # how much of the step's prompts the engine had cached
             asked, found = self.engine.prefix_cache()
             row["engine_prefix_hit_rate"] = ((found - self._cache_mark[1])
@@ -311,6 +326,7 @@ class Run:
             if spent is not None:
                 row["engine_cpu_step"] = spent - self._engine_cpu_mark
                 self._engine_cpu_mark = spent
+                self.cpu_spent += row["engine_cpu_step"]
         append_metrics(self.out / METRICS_FILE, row)
         self.idle_steps = 0 if trained_datums(row) else self.idle_steps + 1
         if self.bar is not None:
@@ -318,7 +334,7 @@ class Run:
         if self.idle_steps == IDLE_WARNING:
             tqdm.write(idle_advice(self.idle_steps, row, self.args), file=sys.stderr)
         done = step + 1
-        if done % self.args.save_every and done != self.steps:
+        if done % self.args.save_every and done != self.steps and not self.budget_spent():
             return
         path = self.training.save_state(f"step-{done:06d}", overwrite=True).result().path
         store_file = None
@@ -427,6 +443,8 @@ def open_run(args: RunArgs, steps: int, service: ServiceClient | None = None) ->
         task_sampler=TaskSampler.from_metrics(
             num_tasks, getattr(args, "task_sampler", "uniform"), earlier, parts),
         engine=engine,
+        cpu_spent=sum(row.get("cpu_step", 0.0) + (row.get("engine_cpu_step") or 0.0)
+                      for row in earlier),
     )
 
 

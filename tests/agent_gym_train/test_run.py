@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,40 @@ def test_finish_writes_the_line_then_the_checkpoint_and_resume_trims(
         assert [row["step"] for row in read_metrics(tmp_path / METRICS_FILE)] == [0, 1]
     with pytest.raises(ValueError, match="holds a run with model"):
         open_run(toy("tiny", tmp_path), 3)
+
+
+def test_a_cpu_budget_ends_the_run_at_the_step_that_spends_it_and_checkpoints_it(
+    model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each step burns 0.1 CPU seconds; a budget of 0.25 s is spent by the third step, which
+    is checkpointed although ``save_every`` would skip it, and a continued run counts the
+    steps before it."""
+    def burn(seconds: float = 0.1) -> None:
+        start = time.process_time()
+        while time.process_time() - start < seconds:
+            pass
+
+    args = toy(model, tmp_path, save_every=10, cpu_budget=0.25)
+    with open_run(args, 10) as run:
+        ran = []
+        for step in run.progress():
+            burn()
+            run.finish(step, {"step": step})
+            ran.append(step)
+    assert ran == [0, 1, 2] and run.cpu_spent >= 0.25
+    assert Checkpoint.read(tmp_path / CHECKPOINT_FILE).step == 3
+    assert "--cpu-budget 0.25 s spent" in capsys.readouterr().err
+    with open_run(toy(model, tmp_path, save_every=10, cpu_budget=0.25), 10) as run:
+        assert run.cpu_spent == pytest.approx(
+            sum(row["cpu_step"] for row in read_metrics(tmp_path / METRICS_FILE)))
+        assert list(run.progress()) == []  # spent already: nothing more runs
+    with open_run(toy(model, tmp_path, save_every=10, cpu_budget=0.45), 10) as run:
+        for step in run.progress():
+            burn()
+            run.finish(step, {"step": step})
+    assert 4 <= Checkpoint.read(tmp_path / CHECKPOINT_FILE).step <= 5
+    assert ToyArgs(cpu_budget=0.0).problems() == ["--cpu-budget must be a positive number of "
+                                                  "seconds"]
 
 
 def test_a_lora_only_service_refuses_full_fine_tuning(model: str, tmp_path: Path) -> None:
