@@ -49,6 +49,7 @@ from harness import RESULTS, Result  # noqa: E402
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
+from agent_gym.search import world_large  # noqa: E402
 from agent_gym_train import grpo, sft, tempo  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
 from agent_gym_train.demo import (  # noqa: E402
@@ -80,6 +81,17 @@ def paired(before: Path, after: Path) -> dict[str, Any]:
     return {"difference": round(result.difference, 3),
             "ci95": [round(result.low, 3), round(result.high, 3)],
             "only_before": result.only_a, "only_after": result.only_b}
+
+
+def by_hops(run: Path, hops: dict[str, int]) -> dict[str, str]:
+    """Successes per number of hops the question needs (searches before the answer)."""
+    counts: dict[int, list[int]] = {}
+    for line in (run / "episodes.jsonl").read_text().splitlines():
+        episode = json.loads(line)
+        tally = counts.setdefault(hops[episode["task_id"]], [0, 0])
+        tally[0] += bool(episode["success"])
+        tally[1] += 1
+    return {str(h): f"{won}/{played}" for h, (won, played) in sorted(counts.items())}
 
 
 def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
@@ -221,11 +233,14 @@ def main() -> int:
 def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, Any]:
     """The record of every run finished in ``work``, this sitting's and earlier ones'."""
     runs: dict[str, dict[str, Any]] = {}
+    questions = (world_large.ensure() / world_large.QA_FILE).read_text().splitlines()
+    hops = {row["id"]: row["hops"] for row in map(json.loads, questions)}
     for found in sorted(work.glob("eval-*-seed*/summary.json")):
         name = found.parent.name.removeprefix("eval-")
         arm, _, seed = name.removeprefix("grpo-").rpartition("-seed")
         runs[name] = {"arm": arm, **asdict(ARMS[arm]), "seed": int(seed),
                       "held_out": summary(found.parent),
+                      "held_out_by_hops": by_hops(found.parent, hops),
                       "vs_sft": paired(work / "eval-sft", found.parent),
                       "training": training(work / name, engine_cpu.get(name))}
 
@@ -244,6 +259,7 @@ def figures(steps: int, work: Path, engine_cpu: dict[str, float]) -> dict[str, A
         "grpo_steps": steps, "episodes_per_update": EPISODES_PER_UPDATE,
         "threads": available_cores(),
         "sft": summary(work / "eval-sft"),
+        "sft_by_hops": by_hops(work / "eval-sft", hops),
         "sft_training": training(work / "sft", None),  # every GRPO arm's first stage
         "runs": runs,
         # Paired by question, seed by seed.
