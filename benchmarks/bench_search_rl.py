@@ -97,17 +97,23 @@ def by_hops(run: Path, hops: dict[str, int]) -> dict[str, str]:
 def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
     """Seconds per update, CPU and the sampler's logprob mismatch, from the run's metrics."""
     rows = read_metrics(run / "metrics.jsonl")
+    # TEMPO's lines (they have a phase) name the actor's figures apart from the critic's
+    actor = "actor/" if rows and "phase" in rows[0] else ""
 
     def mean(key: str) -> float | None:
         values = [row[key] for row in rows if row.get(key) is not None]
         return round(sum(values) / len(values), 4) if values else None
 
-    return {"updates": len(rows), "td_updates": sum(row.get("phase") == "td" for row in rows),
+    return {"updates": len(rows),
+            "td_updates": sum(row["phase"] == "td" for row in rows) if actor else None,
             "step_seconds_mean": mean("time_step"),
             "rollout_seconds_mean": mean("time_rollout"), "train_seconds_mean": mean("time_train"),
             "trainer_cpu_seconds": round(sum(row["cpu_step"] for row in rows), 1),
             "engine_cpu_seconds": engine_cpu,
-            "reward_mean": mean("reward_mean"), "degenerate_rate_mean": mean("degenerate_rate"),
+            "reward_mean": mean("reward_mean"),
+            "degenerate_rate_mean": mean(f"{actor}degenerate_group_rate" if actor
+                                         else "degenerate_rate"),
+            "datums": sum(row.get(f"{actor}datums") or 0 for row in rows),
             "logprob_gap_abs_mean": mean("logprob_gap_abs_mean"),
             "truncated_fraction_mean": mean("truncated_fraction"),
             "engine_prefix_hit_rate_mean": mean("engine_prefix_hit_rate"),
