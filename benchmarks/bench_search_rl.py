@@ -86,8 +86,7 @@ def paired(before: Path, after: Path) -> dict[str, Any]:
 def by_hops(run: Path, hops: dict[str, int]) -> dict[str, str]:
     """Successes per number of hops the question needs (searches before the answer)."""
     counts: dict[int, list[int]] = {}
-    for line in (run / "episodes.jsonl").read_text().splitlines():
-        episode = json.loads(line)
+    for episode in read_run(run).episodes.values():
         tally = counts.setdefault(hops[episode["task_id"]], [0, 0])
         tally[0] += bool(episode["success"])
         tally[1] += 1
