@@ -93,6 +93,19 @@ GRPO_TASKS, GRPO_BRANCHES = 4, 8  # per update: tasks x branches of each
 
 
 @dataclass(frozen=True)
+class HeldOut:
+    """The test set the players play: an env's kwargs (its test split and turn limit) and
+    the reply length, the same for every policy so that their runs pair episode by episode."""
+
+    env_id: str
+    env_kwargs: dict[str, object]
+    max_tokens: int
+
+
+SEARCH_TEST = HeldOut(ENV_ID, {**TEST, "max_turns": MAX_TURNS}, MAX_TOKENS)
+
+
+@dataclass(frozen=True)
 class Stage:
     """One row of the table: a policy's held-out summary, and against the row before it."""
 
@@ -107,8 +120,9 @@ class Players:
     (GRPO's rollouts too: a server's start costs about a minute, four would cost four), its
     weights reloaded for each checkpoint, or on the local sampler."""
 
-    def __init__(self, out: Path, args: argparse.Namespace) -> None:
-        self.out, self.args = out, args
+    def __init__(self, out: Path, args: argparse.Namespace, test: HeldOut = SEARCH_TEST
+                 ) -> None:
+        self.out, self.args, self.test = out, args, test
         self.engine: Engine | None = None
         if args.sampler == "vllm":
             base = save_engine_model(load_model("smollm2"), model_dir("smollm2"),
@@ -119,8 +133,8 @@ class Players:
     def player(self, checkpoint: Path | None) -> SamplerPolicy:
         spec = f"{self.args.sampler}:smollm2" + (f"@{checkpoint}" if checkpoint else "")
         if self.engine is None:
-            return sampler_policy(spec, seed=0, max_tokens=MAX_TOKENS, device=self.args.device,
-                                  threads=self.args.threads)
+            return sampler_policy(spec, seed=0, max_tokens=self.test.max_tokens,
+                                  device=self.args.device, threads=self.args.threads)
         if checkpoint is None:
             weights = MergedWeights(self.engine, load_tokenizer("smollm2"), self.out / "engine",
                                     keep=1, loaded=None)
@@ -132,12 +146,13 @@ class Players:
                                        device="cpu", threads=self.args.threads)
             client = local.create_training_client_from_state(checkpoint_path(str(checkpoint)))
             sampler = weights.publish(weights.saver(client))
-        return SamplerPolicy(spec, sampler, max_tokens=MAX_TOKENS, temperature=0.0, seed=0)
+        return SamplerPolicy(spec, sampler, max_tokens=self.test.max_tokens, temperature=0.0,
+                             seed=0)
 
     def held_out(self, checkpoint: Path | None, out: Path, questions: int = HELD_OUT
                  ) -> tuple[Summary, float]:
-        """Greedy episodes 0 to ``questions - 1`` on the test questions (none when a finished
-        run is there already: no weights are loaded for it)."""
+        """Greedy episodes 0 to ``questions - 1`` on the test set (none when a finished run is
+        there already: no weights are loaded for it)."""
         started = time.perf_counter()
         if (out / SUMMARY_FILE).is_file():
             done = read_run(out)
@@ -145,21 +160,32 @@ class Players:
                 return summarize(done.config, list(done.episodes.values()),
                                  len(done.errors)), 0.0
         player = self.player(checkpoint)
-        config = EvalConfig(ENV_ID, player.name, questions, 0,
-                            {**TEST, "max_turns": MAX_TURNS}, max_tokens=MAX_TOKENS)
+        config = EvalConfig(self.test.env_id, player.name, questions, 0,
+                            self.test.env_kwargs, max_tokens=self.test.max_tokens)
         summary = asyncio.run(evaluate(config, player, out, progress=self.args.progress,
                                        concurrency=32 if self.engine else 8))
         return summary, time.perf_counter() - started
+
+    def rollouts(self) -> dict[str, object]:
+        """A trainer's sampling options for rollouts on the players' sampler: its vLLM
+        server, or the local sampler's bfloat16 copy where the CPU multiplies bf16 (the
+        faster of its two precisions)."""
+        vllm = self.engine is not None and self.args.sampler == "vllm"
+        native = native_bf16(resolve_device(self.args.device))
+        return {"sampler": self.args.sampler,
+                "sampler_precision": "bfloat16" if native and not vllm else "float32",
+                "vllm_url": self.engine.url if vllm and self.engine else None}
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
 
 
-def demonstrations(out: Path, args: argparse.Namespace, questions: int = DEMOS) -> float:
-    """The oracle's episodes on the first ``questions`` train questions (no model: seconds)."""
+def demonstrations(out: Path, args: argparse.Namespace, questions: int = DEMOS,
+                   env_id: str = ENV_ID, train: dict[str, object] = TRAIN) -> float:
+    """The oracle's episodes on the first ``questions`` train tasks (no model: seconds)."""
     started = time.perf_counter()
-    config = EvalConfig(ENV_ID, "oracle", questions, 0, TRAIN)
+    config = EvalConfig(env_id, "oracle", questions, 0, train)
     asyncio.run(evaluate(config, make_policy("oracle", seed=0), out, progress=args.progress))
     return time.perf_counter() - started
 
@@ -167,19 +193,13 @@ def demonstrations(out: Path, args: argparse.Namespace, questions: int = DEMOS) 
 def grpo_recipe(sft_run: Path, out: Path, steps: int, players: Players, **given: object
                 ) -> grpo.Args:
     """GRPO from ``sft_run`` on the train questions: 4 tasks x 8 branches at lr 1e-4, the
-    task sampler that prefers tasks of mixed outcome; rollouts on the players' sampler (its
-    vLLM server, or the local sampler's bfloat16 copy where the CPU multiplies bf16, the
-    faster of its two precisions). ``given`` overrides any of it."""
-    vllm = players.engine is not None and players.args.sampler == "vllm"
-    native = native_bf16(resolve_device(players.args.device))
-    settings: dict[str, object] = {
-        "sampler_precision": "bfloat16" if native and not vllm else "float32",
-        "vllm_url": players.engine.url if vllm and players.engine else None, **given}
+    task sampler that prefers tasks of mixed outcome; rollouts on the players' sampler
+    (``Players.rollouts``). ``given`` overrides any of it."""
     return with_preset(
         grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
         batch_size=GRPO_TASKS, group_size=GRPO_BRANCHES, learning_rate=1e-4,
-        task_sampler="mixed", steps=steps, save_every=1, sampler=players.args.sampler,
-        out=str(out), **settings)
+        task_sampler="mixed", steps=steps, save_every=1, out=str(out),
+        **(players.rollouts() | given))
 
 
 def table(stages: list[Stage]) -> str:
@@ -222,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args.threads = args.threads or int(os.environ.get(THREADS_ENV) or available_cores())
     # Both splits build before a model loads or --out is made: a missing extra (Search-v0's
     # index needs bm25s) is one line now, not a traceback after the first stage's model.
-    for kwargs in (TRAIN, {**TEST, "max_turns": MAX_TURNS}):
+    for kwargs in (TRAIN, SEARCH_TEST.env_kwargs):
         check_env(ENV_ID, kwargs, option=None)
     out = Path(args.out)
     started = time.perf_counter()

@@ -1,41 +1,41 @@
-"""Does SFT on ALFWorld walkthroughs beat the base model on held-out games, and GRPO from it?
+"""ALFWorld that moves: SFT on ``large_train`` walkthroughs against the base model, and GRPO
+from the SFT checkpoint against SFT, on ALFWorld's held-out ``large_test`` games.
 
-    python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 60] [--held-out 100]
-                                            [--sft-until] [--grpo-steps N]
+    python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 200] [--held-out 240]
+                                            [--grpo-steps 8] [--group-size 8] [--seed 0]
 
-Every stage is a project command, and each resumes where it stopped (rerun with the same
-``--work`` to continue or to only rewrite the result file):
+Every stage resumes where it stopped (rerun with the same ``--work`` to continue, or to only
+rewrite the record):
 
-1. ``agent-gym eval agent_gym/ALFWorld-v0 --policy oracle --split large_train``: the
-   walkthroughs of the first ``--demos`` games of the large train set (960 games).
-2. ``agent-gym train sft --demos THAT_RUN --preset cpu-demo``: one epoch at 1e-3 on them,
-   SmolLM2-135M, LoRA r32, demonstrations up to 4096 tokens.
-3. ``agent-gym eval`` of the base model and of the SFT checkpoint on the first
-   ``--held-out`` games of ``large_test`` (240 games on ALFRED's held-out floor plans only,
-   none shared with the train set): text protocol, greedy, 48-token replies, 15 turns,
-   both sampled from a bfloat16 copy of the weights where the CPU has bf16 units.
-4. ``agent-gym compare`` of the two: paired by game, the difference in success with
-   Newcombe's paired 95% interval.
-5. With ``--grpo-steps N``: ``agent-gym train grpo --init-from SFT`` on ``large_train``
-   (text protocol, 15 turns, 48-token replies, episodes up to 4096 tokens as in SFT; 4
-   tasks x 4 branches, learning rate 1e-4, ``--task-sampler mixed``), its eval on the same
-   held-out games and its comparison with SFT, paired by game.
+1. the oracle on the first ``--demos`` games of ``large_train`` (960 games): the
+   walkthroughs;
+2. ``agent-gym train sft --preset cpu-demo`` on them (one epoch at 1e-3, 4 a step,
+   SmolLM2-135M, LoRA r32), walkthroughs up to 4096 tokens;
+3. the base model and the SFT checkpoint on the first ``--held-out`` games of
+   ``large_test`` (240 games, on ALFRED's held-out floor plans only), greedy, text protocol,
+   48-token replies, 15 turns;
+4. ``agent-gym train grpo --init-from SFT`` on ``large_train``: ``--grpo-steps`` updates of
+   4 tasks x ``--group-size`` branches at lr 1e-4 and temperature 1, replies and turns as in
+   the eval. At SFT's success rate most groups of 4 were all failures (13 of 16 in the first
+   run of this bench), so groups are larger, tasks that have split a group before are
+   preferred (``--task-sampler mixed``) and a step rolls out more tasks until it has 4
+   groups with a learning signal (``--dynamic-sampling``, at most ``--max-refill-groups``
+   more);
+5. the GRPO checkpoint on the same held-out games; each stage against the one before,
+   paired by game (Newcombe's paired 95% interval, as ``agent-gym compare`` gives it).
 
-The evals run on one torch thread each (the base eval beside the SFT), SFT and GRPO on two.
+Every eval and GRPO's rollouts sample from one vLLM server (merged weights, reloaded per
+checkpoint) when ``make setup`` has built its venv, else from the local sampler. CPU seconds
+per arm: the trainer's own (``cpu_step``) and, for GRPO on vLLM, the engine's over the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -44,33 +44,20 @@ from harness import RESULTS, Result  # noqa: E402
 
 from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
-from agent_gym_train.backends.runtime import native_bf16  # noqa: E402
+from agent_gym_train import grpo, sft  # noqa: E402
+from agent_gym_train.backends.runtime import available_cores  # noqa: E402
+from agent_gym_train.backends.vllm import vllm_python  # noqa: E402
+from agent_gym_train.demo import HeldOut, Players, demonstrations  # noqa: E402
+from agent_gym_train.run.args import with_preset  # noqa: E402
+from agent_gym_train.run.files import read_metrics  # noqa: E402
 
 ENV_ID = "agent_gym/ALFWorld-v0"
 MAX_TOKENS, MAX_TURNS = 48, 15
-ENV = os.environ | {"PYTHONPATH": str(ROOT), "AGENT_GYM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-
-
-def agent_gym(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agent_gym.cli", *args]
-
-
-def held_out_eval(policy: str, out: Path, games: int, precision: str) -> list[str]:
-    return agent_gym("eval", ENV_ID, "--policy", policy, "--episodes", str(games), "--split",
-                     "large_test", "--env-arg", "protocol=text", "--env-arg",
-                     f"max_turns={MAX_TURNS}", "--max-tokens", str(MAX_TOKENS),
-                     "--concurrency", "32", "--sampler-precision", precision, "--quiet",
-                     "--out", str(out))
-
-
-def grpo_command(sft: Path, out: Path, steps: int, precision: str) -> list[str]:
-    return [sys.executable, "-m", "agent_gym_train.grpo", "--env-id", ENV_ID,
-            "--env-kwargs", json.dumps({"protocol": "text", "split": "large_train"}),
-            "--init-from", str(sft), "--batch-size", "4", "--group-size", "4",
-            "--max-turns", str(MAX_TURNS), "--max-tokens", str(MAX_TOKENS),
-            "--max-trajectory-tokens", "4096", "--learning-rate", "1e-4",
-            "--task-sampler", "mixed", "--sampler-precision", precision, "--steps", str(steps),
-            "--save-every", "1", "--threads", "2", "--out", str(out), "--no-progress"]
+MAX_TRAJECTORY_TOKENS = 4096  # a 15-turn episode's prompt and replies fit
+TRAIN = {"protocol": "text", "split": "large_train"}
+TEST = HeldOut(ENV_ID, {"protocol": "text", "split": "large_test", "max_turns": MAX_TURNS},
+               MAX_TOKENS)
+GRPO_TASKS = 4
 
 
 def summary(run: Path) -> dict[str, Any]:
@@ -79,89 +66,116 @@ def summary(run: Path) -> dict[str, Any]:
                                         "success_high", "mean_turns", "cut_replies")}
 
 
+def paired(before: Path, after: Path) -> dict[str, Any]:
+    result = compare([read_run(before)], [read_run(after)], "before", "after").overall
+    return {"difference": round(result.difference, 3),
+            "ci95": [round(result.low, 3), round(result.high, 3)],
+            "both": result.both, "only_before": result.only_a, "only_after": result.only_b,
+            "neither": result.neither}
+
+
+def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
+    """What a training run cost and saw, from its metrics lines."""
+    rows = read_metrics(run / "metrics.jsonl")
+    trainer = sum(row["cpu_step"] for row in rows)
+    figures: dict[str, Any] = {
+        "steps": len(rows), "trainer_cpu_seconds": round(trainer, 1),
+        "engine_cpu_seconds": engine_cpu,
+        "cpu_seconds": round(trainer + (engine_cpu or 0.0), 1),
+        "wall_seconds": round(sum(row["time_step"] for row in rows), 1)}
+    if rows and "groups" in rows[0]:
+        figures |= {"groups": sum(row["groups"] for row in rows),
+                    "refill_groups": sum(row["refill_groups"] for row in rows),
+                    "degenerate_groups": sum(row["degenerate_groups"] for row in rows),
+                    "training_reward_by_step": [round(row["reward_mean"], 3) for row in rows]}
+    return figures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", default="runs/bench-alfworld-sft",
+    parser.add_argument("--work", default="runs/bench-alfworld",
                         help="where the runs go (recorded as $WORK)")
-    parser.add_argument("--demos", type=int, default=60)
-    parser.add_argument("--held-out", type=int, default=100)
-    parser.add_argument("--sft-until", action="store_true",
-                        help="evaluate the SFT run's latest checkpoint as it stands, without "
-                        "training it to the end (a run stopped part way through its epoch)")
-    parser.add_argument("--grpo-steps", type=int, default=0,
-                        help="then GRPO from the SFT checkpoint for this many steps (0: none)")
+    parser.add_argument("--demos", type=int, default=200)
+    parser.add_argument("--held-out", type=int, default=240)
+    parser.add_argument("--grpo-steps", type=int, default=8,
+                        help="GRPO updates from the SFT checkpoint (0: stop after SFT)")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-refill-groups", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "alfworld_sft.json"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
-    result = Result(placeholders={str(work): "$WORK"})
-    started = time.perf_counter()
-    oracle, sft, base_eval, sft_eval = (work / name for name in (
-        "alf-oracle", "alf-sft", "alf-eval-base", "alf-eval-sft"))
-    subprocess.run(agent_gym("eval", ENV_ID, "--policy", "oracle", "--episodes",
-                             str(args.demos), "--split", "large_train", "--env-arg",
-                             "protocol=text", "--quiet", "--out", str(oracle)),
-                   check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
-    precision = "bfloat16" if native_bf16(torch.device("cpu")) else "float32"
-    base = subprocess.Popen(held_out_eval("local:smollm2", base_eval, args.held_out, precision),
-                            env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
-    sft_command = [sys.executable, "-m", "agent_gym_train.sft", "--env-id", ENV_ID,
-                   "--env-kwargs", json.dumps({"protocol": "text", "split": "large_train"}),
-                   "--demos", str(oracle), "--preset", "cpu-demo",
-                   "--max-trajectory-tokens", "4096", "--threads", "2", "--out", str(sft),
-                   "--no-progress"]
-    if not args.sft_until:
-        subprocess.run(sft_command, check=True, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL)
-    saved = json.loads((sft / "checkpoint.json").read_text())
-    checkpoint = saved["path"]
-    subprocess.run(held_out_eval(f"local:smollm2@{checkpoint}", sft_eval, args.held_out,
-                                 precision), check=True, env=ENV, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
-    if base.wait() != 0:
-        raise SystemExit("the base model's eval failed")
-    paired = compare([read_run(base_eval)], [read_run(sft_eval)], "base", "sft").overall
-    demos = json.loads((sft / "demonstrations.json").read_text())
-    result.figures |= {
-        "env_id": ENV_ID, "protocol": "text", "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
-        "decoding": "greedy", "sampler_precision": precision, "demonstrations": demos,
-        "sft_steps_trained": saved["step"],
-        "commands": {"demos": f"agent-gym eval {ENV_ID} --policy oracle --episodes "
-                              f"{args.demos} --split large_train --env-arg protocol=text",
-                     "sft": " ".join(sft_command[2:]),
-                     "eval": " ".join(held_out_eval("POLICY", Path("OUT"), args.held_out,
-                                                    precision)[2:]),
-                     "compare": "agent-gym compare BASE_EVAL SFT_EVAL"},
-        "base": summary(base_eval), "sft": summary(sft_eval),
-        "paired_difference": {"sft_minus_base": round(paired.difference, 3),
-                              "ci95": [round(paired.low, 3), round(paired.high, 3)],
-                              "both": paired.both, "only_base": paired.only_a,
-                              "only_sft": paired.only_b, "neither": paired.neither},
-        "seconds_this_invocation": round(time.perf_counter() - started, 1),
-    }
-    if args.grpo_steps:
-        grpo, grpo_eval = work / "alf-grpo", work / "alf-eval-grpo"
-        command = grpo_command(sft, grpo, args.grpo_steps, precision)
-        subprocess.run(command, check=True, env=ENV | {"AGENT_GYM_THREADS": "2"}, cwd=ROOT,
-                       stdout=subprocess.DEVNULL)
-        subprocess.run(held_out_eval(f"local:smollm2@{grpo}", grpo_eval, args.held_out,
-                                     precision), check=True, env=ENV, cwd=ROOT,
-                       stdout=subprocess.DEVNULL)
-        paired = compare([read_run(sft_eval)], [read_run(grpo_eval)], "sft", "grpo").overall
-        rows = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
-        result.figures["grpo"] = {
-            "command": " ".join(command[2:]), "steps": len(rows),
-            "groups": sum(row["groups"] for row in rows),
-            "degenerate_groups": sum(row["degenerate_groups"] for row in rows),
-            "training_reward_by_step": [round(row["reward_mean"], 3) for row in rows],
-            "cpu_seconds": round(sum(row["cpu_step"] for row in rows), 1),
-            "wall_seconds": round(sum(row["time_step"] for row in rows), 1),
-            "held_out": summary(grpo_eval),
-            "grpo_minus_sft": {"difference": round(paired.difference, 3),
-                               "ci95": [round(paired.low, 3), round(paired.high, 3)],
-                               "only_sft": paired.only_a, "only_grpo": paired.only_b,
-                               "both": paired.both, "neither": paired.neither}}
-    result.write(args.out)
-    print(json.dumps(result.figures, indent=1))
+    work.mkdir(parents=True, exist_ok=True)
+    threads = available_cores()
+    sampler = "vllm" if vllm_python().is_file() else "local"
+    options = argparse.Namespace(sampler=sampler, device="cpu", threads=threads,
+                                 progress=False)
+    record = Result(placeholders={str(work): "$WORK"})
+    oracle, sft_run, grpo_run = work / "oracle", work / "sft", work / f"grpo-seed{args.seed}"
+    evals = {name: work / f"eval-{name}" for name in ("base", "sft", f"grpo-seed{args.seed}")}
+    engine_file = work / "engine_cpu.json"  # the engine's CPU seconds per GRPO run
+    engine_cpu: dict[str, float] = (json.loads(engine_file.read_text())
+                                    if engine_file.is_file() else {})
+    players = Players(work, options, TEST)
+    try:
+        print(f"the oracle on {args.demos} large_train games, then SFT", flush=True)
+        demonstrations(oracle, options, args.demos, ENV_ID, TRAIN)
+        sft.train(with_preset(sft.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
+                              demos=str(oracle), max_trajectory_tokens=MAX_TRAJECTORY_TOKENS,
+                              out=str(sft_run), seed=0, device="cpu", threads=threads,
+                              progress=False))
+        print(f"base and SFT on {args.held_out} large_test games", flush=True)
+        players.held_out(None, evals["base"], args.held_out)
+        players.held_out(sft_run, evals["sft"], args.held_out)
+        if args.grpo_steps:
+            print(f"GRPO, {args.grpo_steps} updates", flush=True)
+            before = players.engine.cpu_seconds() if players.engine else None
+            grpo.train(with_preset(
+                grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
+                init_from=str(sft_run), batch_size=GRPO_TASKS, group_size=args.group_size,
+                max_turns=MAX_TURNS, max_tokens=MAX_TOKENS,
+                max_trajectory_tokens=MAX_TRAJECTORY_TOKENS, learning_rate=1e-4,
+                task_sampler="mixed", dynamic_sampling=True,
+                max_refill_groups=args.max_refill_groups, steps=args.grpo_steps,
+                save_every=1, seed=args.seed, out=str(grpo_run), device="cpu",
+                threads=threads, progress=False, **players.rollouts()))
+            if before is not None and players.engine:
+                spent = (players.engine.cpu_seconds() or 0.0) - before
+                engine_cpu[grpo_run.name] = round(engine_cpu.get(grpo_run.name, 0.0) + spent, 1)
+                engine_file.write_text(json.dumps(engine_cpu, indent=1))
+            players.held_out(grpo_run, evals[f"grpo-seed{args.seed}"], args.held_out)
+    finally:
+        players.close()
+    record.figures = figures(work, args, sampler, engine_cpu)
+    record.write(args.out)
+    print(json.dumps(record.figures, indent=1))
     return 0
+
+
+def figures(work: Path, args: argparse.Namespace, sampler: str,
+            engine_cpu: dict[str, float]) -> dict[str, Any]:
+    """The record of what ``work`` holds: SFT, every GRPO seed run there, their comparisons."""
+    grpo_runs = {}
+    for found in sorted(work.glob("eval-grpo-seed*/summary.json")):
+        name = found.parent.name.removeprefix("eval-")
+        grpo_runs[name] = {"held_out": summary(found.parent),
+                           "minus_sft": paired(work / "eval-sft", found.parent),
+                           "training": training(work / name, engine_cpu.get(name))}
+    return {
+        "env_id": ENV_ID, "train": TRAIN, "held_out": TEST.env_kwargs,
+        "held_out_games": args.held_out, "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
+        "decoding": "greedy", "sampler": sampler, "threads": available_cores(),
+        "demonstrations": json.loads((work / "sft" / "demonstrations.json").read_text()),
+        "grpo_recipe": {"tasks": GRPO_TASKS, "group_size": args.group_size,
+                        "learning_rate": 1e-4, "temperature": 1.0, "task_sampler": "mixed",
+                        "dynamic_sampling": True,
+                        "max_refill_groups": args.max_refill_groups},
+        "base": summary(work / "eval-base"),
+        "sft": summary(work / "eval-sft"),
+        "sft_training": training(work / "sft", None),
+        "sft_minus_base": paired(work / "eval-base", work / "eval-sft"),
+        "grpo": grpo_runs,
+    }
 
 
 if __name__ == "__main__":

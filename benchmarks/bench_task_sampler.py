@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -43,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_alfworld_sft import ENV, agent_gym, summary  # noqa: E402
+from bench_alfworld_sft import summary  # noqa: E402
 from bench_search_rl import checkpoint_step  # noqa: E402
 from harness import RESULTS, Result  # noqa: E402
 
@@ -57,6 +58,12 @@ from agent_gym_train.run.files import read_metrics  # noqa: E402
 DATASET = "world-large"
 HELD_OUT = 250
 MAX_TOKENS, MAX_TURNS = 48, 4  # what --preset cpu-demo trains GRPO with
+# The runs' subprocesses: the checkout's packages, one torch thread each (two run at once)
+ENV = os.environ | {"PYTHONPATH": str(ROOT), "AGENT_GYM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def agent_gym(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agent_gym.cli", *args]
 
 
 def held_out_eval(policy: str, out: Path, precision: str) -> list[str]:

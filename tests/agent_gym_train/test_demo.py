@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent_gym.eval.runs import read_run
 from agent_gym.eval.stats import wilson_interval
 from agent_gym.eval.summary import Summary
 from agent_gym_train import sft
 from agent_gym_train.backends.runtime import native_bf16
 from agent_gym_train.cli import COMMANDS
-from agent_gym_train.demo import HELD_OUT, Players, Stage, grpo_recipe, table
+from agent_gym_train.demo import HELD_OUT, HeldOut, Players, Stage, grpo_recipe, table
 
 
 def summary(successes: int, episodes: int) -> Summary:
@@ -53,3 +54,15 @@ def test_grpo_is_the_demos_recipe_on_the_players_sampler(tmp_path: Path) -> None
     assert (args.init_from, args.sampler, args.vllm_url) == (str(tmp_path / "sft"), "local", None)
     assert args.sampler_precision == (
         "bfloat16" if native_bf16(torch.device("cpu")) else "float32")
+
+
+def test_the_players_play_the_held_out_set_they_are_given(tmp_path: Path) -> None:
+    """benchmarks/bench_alfworld_sft.py plays ALFWorld's test games through the same players:
+    the env, its kwargs and the reply length are the given set's, recorded with the run."""
+    test = HeldOut("agent_gym/GSM8K-v0", {"max_turns": 1}, 4)
+    players = Players(tmp_path, argparse.Namespace(sampler="local", device="cpu", threads=1,
+                                                   progress=False), test)
+    summary, _ = players.held_out(None, tmp_path / "eval", 2)
+    config = read_run(tmp_path / "eval").config
+    assert (config.env_id, config.env_kwargs, config.max_tokens, summary.tasks) == (
+        "agent_gym/GSM8K-v0", {"max_turns": 1}, 4, 2)
