@@ -24,9 +24,11 @@ rewrite the record):
 5. the GRPO checkpoint on the same held-out games; each stage against the one before,
    paired by game (Newcombe's paired 95% interval, as ``agent-gym compare`` gives it).
 
-Every eval and GRPO's rollouts sample from one vLLM server (merged weights, reloaded per
-checkpoint) when ``make setup`` has built its venv, else from the local sampler. CPU seconds
-per arm: the trainer's own (``cpu_step``) and, for GRPO on vLLM, the engine's over the run.
+Every eval samples from one vLLM server (merged weights, reloaded per checkpoint) when ``make
+setup`` has built its venv, else from the local sampler; GRPO samples from a vLLM server of
+its own (or the local sampler), so its metrics carry the engine's CPU seconds step by step
+and a run stopped part way keeps them. CPU seconds per arm: the trainer's own
+(``cpu_step``) plus its engine's (``engine_cpu_step``).
 """
 
 from __future__ import annotations
@@ -74,14 +76,14 @@ def paired(before: Path, after: Path) -> dict[str, Any]:
             "neither": result.neither}
 
 
-def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
+def training(run: Path) -> dict[str, Any]:
     """What a training run cost and saw, from its metrics lines."""
     rows = read_metrics(run / "metrics.jsonl")
     trainer = sum(row["cpu_step"] for row in rows)
+    engine = sum(row.get("engine_cpu_step") or 0.0 for row in rows)
     figures: dict[str, Any] = {
         "steps": len(rows), "trainer_cpu_seconds": round(trainer, 1),
-        "engine_cpu_seconds": engine_cpu,
-        "cpu_seconds": round(trainer + (engine_cpu or 0.0), 1),
+        "engine_cpu_seconds": round(engine, 1), "cpu_seconds": round(trainer + engine, 1),
         "wall_seconds": round(sum(row["time_step"] for row in rows), 1)}
     if rows and "groups" in rows[0]:
         figures |= {"groups": sum(row["groups"] for row in rows),
@@ -113,9 +115,6 @@ def main() -> int:
     record = Result(placeholders={str(work): "$WORK"})
     oracle, sft_run, grpo_run = work / "oracle", work / "sft", work / f"grpo-seed{args.seed}"
     evals = {name: work / f"eval-{name}" for name in ("base", "sft", f"grpo-seed{args.seed}")}
-    engine_file = work / "engine_cpu.json"  # the engine's CPU seconds per GRPO run
-    engine_cpu: dict[str, float] = (json.loads(engine_file.read_text())
-                                    if engine_file.is_file() else {})
     players = Players(work, options, TEST)
     try:
         print(f"the oracle on {args.demos} large_train games, then SFT", flush=True)
@@ -129,7 +128,6 @@ def main() -> int:
         players.held_out(sft_run, evals["sft"], args.held_out)
         if args.grpo_steps:
             print(f"GRPO, {args.grpo_steps} updates", flush=True)
-            before = players.engine.cpu_seconds() if players.engine else None
             grpo.train(with_preset(
                 grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
                 init_from=str(sft_run), batch_size=GRPO_TASKS, group_size=args.group_size,
@@ -138,29 +136,28 @@ def main() -> int:
                 task_sampler="mixed", dynamic_sampling=True,
                 max_refill_groups=args.max_refill_groups, steps=args.grpo_steps,
                 save_every=1, seed=args.seed, out=str(grpo_run), device="cpu",
-                threads=threads, progress=False, **players.rollouts()))
-            if before is not None and players.engine:
-                spent = (players.engine.cpu_seconds() or 0.0) - before
-                engine_cpu[grpo_run.name] = round(engine_cpu.get(grpo_run.name, 0.0) + spent, 1)
-                engine_file.write_text(json.dumps(engine_cpu, indent=1))
+                threads=threads, progress=False,
+                **(players.rollouts() | {"vllm_url": None})))  # its own server
             players.held_out(grpo_run, evals[f"grpo-seed{args.seed}"], args.held_out)
     finally:
         players.close()
-    record.figures = figures(work, args, sampler, engine_cpu)
+    record.figures = figures(work, args, sampler)
     record.write(args.out)
     print(json.dumps(record.figures, indent=1))
     return 0
 
 
-def figures(work: Path, args: argparse.Namespace, sampler: str,
-            engine_cpu: dict[str, float]) -> dict[str, Any]:
-    """The record of what ``work`` holds: SFT, every GRPO seed run there, their comparisons."""
-    grpo_runs = {}
-    for found in sorted(work.glob("eval-grpo-seed*/summary.json")):
-        name = found.parent.name.removeprefix("eval-")
-        grpo_runs[name] = {"held_out": summary(found.parent),
-                           "minus_sft": paired(work / "eval-sft", found.parent),
-                           "training": training(work / name, engine_cpu.get(name))}
+def figures(work: Path, args: argparse.Namespace, sampler: str) -> dict[str, Any]:
+    """The record of what ``work`` holds: SFT, every GRPO seed run there (its held-out eval
+    and the comparison with SFT once it has one), their comparisons."""
+    grpo_runs: dict[str, dict[str, Any]] = {}
+    for found in sorted(work.glob("grpo-seed*/metrics.jsonl")):
+        run = found.parent
+        grpo_runs[run.name] = {"training": training(run)}
+        evaluated = work / f"eval-{run.name}"
+        if (evaluated / "summary.json").is_file():
+            grpo_runs[run.name] |= {"held_out": summary(evaluated),
+                                    "minus_sft": paired(work / "eval-sft", evaluated)}
     return {
         "env_id": ENV_ID, "train": TRAIN, "held_out": TEST.env_kwargs,
         "held_out_games": args.held_out, "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
@@ -172,7 +169,7 @@ def figures(work: Path, args: argparse.Namespace, sampler: str,
                         "max_refill_groups": args.max_refill_groups},
         "base": summary(work / "eval-base"),
         "sft": summary(work / "eval-sft"),
-        "sft_training": training(work / "sft", None),
+        "sft_training": training(work / "sft"),
         "sft_minus_base": paired(work / "eval-base", work / "eval-sft"),
         "grpo": grpo_runs,
     }
