@@ -55,7 +55,9 @@ from agent_gym_train.run.files import read_metrics  # noqa: E402
 
 ENV_ID = "agent_gym/ALFWorld-v0"
 MAX_TOKENS, MAX_TURNS = 48, 15
-MAX_TRAJECTORY_TOKENS = 4096  # a 15-turn episode's prompt and replies fit
+# Every walkthrough fits (SFT would drop one that did not); a GRPO episode that outgrows
+# it ends there, unfinished (its metrics' end_reasons count it as trajectory_budget)
+MAX_TRAJECTORY_TOKENS = 4096
 TRAIN = {"protocol": "text", "split": "large_train"}
 TEST = HeldOut(ENV_ID, {"protocol": "text", "split": "large_test", "max_turns": MAX_TURNS},
                MAX_TOKENS)
@@ -69,6 +71,7 @@ def summary(run: Path) -> dict[str, Any]:
 
 
 def paired(before: Path, after: Path) -> dict[str, Any]:
+    """``after`` minus ``before``, paired by task: Newcombe's 95% interval and the counts."""
     result = compare([read_run(before)], [read_run(after)], "before", "after").overall
     return {"difference": round(result.difference, 3),
             "ci95": [round(result.low, 3), round(result.high, 3)],

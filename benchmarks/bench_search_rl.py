@@ -43,11 +43,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_alfworld_sft import summary  # noqa: E402
+from bench_alfworld_sft import paired, summary  # noqa: E402
 from harness import RESULTS, Result  # noqa: E402
 
 from agent_gym.durable import replace_file  # noqa: E402
-from agent_gym.eval.compare import compare  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
 from agent_gym.search import world_large  # noqa: E402
 from agent_gym_train import grpo, sft, tempo  # noqa: E402
@@ -74,13 +73,6 @@ QUESTIONS = 250  # every test question
 def checkpoint_step(run: Path) -> int:
     path = run / "checkpoint.json"
     return json.loads(path.read_text())["step"] if path.is_file() else 0
-
-
-def paired(before: Path, after: Path) -> dict[str, Any]:
-    result = compare([read_run(before)], [read_run(after)], "before", "after").overall
-    return {"difference": round(result.difference, 3),
-            "ci95": [round(result.low, 3), round(result.high, 3)],
-            "only_before": result.only_a, "only_after": result.only_b}
 
 
 def by_hops(run: Path, hops: dict[str, int]) -> dict[str, str]:
