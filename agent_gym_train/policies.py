@@ -10,9 +10,6 @@ entry points.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from pytrio import ModelInput, SamplingParams
@@ -26,6 +23,7 @@ from agent_gym_train.backends.vllm import (
     Engine,
     EngineConfig,
     EngineError,
+    Scratch,
     VLLMSampler,
     served_model_name,
 )
@@ -150,7 +148,8 @@ def _vllm_client(model: str, checkpoint: str | None, threads: int | None
     from agent_gym_train.backends.merged import save_engine_model
     from agent_gym_train.backends.models import load_model, load_tokenizer, model_dir
 
-    folder = Path(tempfile.mkdtemp(prefix="agent-gym-vllm-"))
+    scratch = Scratch.make()
+    folder = scratch.path
     try:
         if checkpoint is None:
             weights = load_model(model)
@@ -159,10 +158,10 @@ def _vllm_client(model: str, checkpoint: str | None, threads: int | None
                                        threads=threads)
             weights = local.create_training_client_from_state(checkpoint).model
         served = save_engine_model(weights, model_dir(model), folder / "model")
+        engine = Engine.start(EngineConfig(
+            model_dir=served, served_name=served_model_name(model), max_lora_rank=0,
+            max_loras=1, log=folder / "vllm.log", threads=threads, scratch=scratch))
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        scratch.remove()
         raise
-    engine = Engine.start(EngineConfig(
-        model_dir=served, served_name=served_model_name(model), max_lora_rank=0, max_loras=1,
-        log=folder / "vllm.log", threads=threads, scratch=folder))
     return engine, VLLMSampler(engine, engine.served_name, load_tokenizer(model))

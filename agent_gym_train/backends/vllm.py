@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import re
 import shutil
@@ -46,6 +47,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -90,7 +92,65 @@ class EngineConfig:
     python: Path | None = None  # vLLM's interpreter (default: ``vllm_python()``)
     threads: int | None = None  # CPU threads the engine may use (None: every usable core)
     reloads: bool = False  # open the dev-mode endpoints that reload weights in place
-    scratch: Path | None = None  # a folder of ours removed when the server stops
+    scratch: Scratch | None = None  # a folder of ours removed when the server stops
+
+
+class Scratch:
+    """A temporary folder for one server (the model written for it, its log) that no run
+    leaves behind: ``remove`` deletes it, and when a run dies before it can (SIGKILL runs no
+    cleanup), the next ``Scratch.make`` in the same temporary directory deletes it. A live
+    folder is told from a dead one by its ``.lock``, which its process holds locked
+    (``flock``) until it removes the folder; the kernel drops the lock with the process, so
+    a reused pid cannot keep a dead run's folder alive or doom a live one's."""
+
+    PREFIX = "agent-gym-vllm-"
+    LOCK = ".lock"
+
+    def __init__(self, path: Path, lock: int) -> None:
+        self.path = path
+        self._lock = lock
+
+    @classmethod
+    def make(cls, directory: Path | None = None) -> Scratch:
+        """A new folder in ``directory`` (the system's temporary directory by default),
+        after removing the folders there of runs that died."""
+        root = Path(directory or tempfile.gettempdir())
+        sweep_dead_scratch(root)
+        path = Path(tempfile.mkdtemp(prefix=cls.PREFIX, dir=root))
+        # Locked before it takes its name, so a sweep never sees the lock file unlocked.
+        staging = path / f"{cls.LOCK}-staging"
+        lock = os.open(staging, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        staging.rename(path / cls.LOCK)
+        return cls(path, lock)
+
+    def remove(self) -> None:
+        """Delete the folder, then let go of its lock; again, nothing."""
+        if self._lock < 0:
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock)
+        self._lock = -1
+
+
+def sweep_dead_scratch(root: Path) -> list[Path]:
+    """Remove the scratch folders in ``root`` whose lock no process holds; the removed ones.
+    A folder with no lock file yet is being made, and is left alone."""
+    removed = []
+    for folder in root.glob(f"{Scratch.PREFIX}*"):
+        try:
+            lock = os.open(folder / Scratch.LOCK, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # no lock yet, or not ours to open
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its run is alive
+            os.close(lock)
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(lock)
+        removed.append(folder)
+    return removed
 
 
 def vllm_python() -> Path:
@@ -106,7 +166,7 @@ class Engine:
 
     def __init__(self, url: str, served_name: str,
                  process: subprocess.Popen[bytes] | None = None, log: Path | None = None,
-                 scratch: Path | None = None) -> None:
+                 scratch: Scratch | None = None) -> None:
         self.url = url.rstrip("/")
         self.served_name = served_name
         self.process = process
@@ -228,7 +288,7 @@ class Engine:
         """Stop our server and every process it started (nothing of someone else's), and
         remove its scratch folder."""
         if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch.remove()
         if self.process is None or self.process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from agent_gym_train.backends.vllm import (
     EngineConfig,
     EngineError,
     MergedWeights,
+    Scratch,
     VLLMSampler,
     VLLMWeights,
     vllm_python,
@@ -235,11 +237,14 @@ def test_an_eval_on_a_checkpoint_samples_from_vllm_and_leaves_nothing_when_kille
 ) -> None:
     """``agent-gym eval --policy vllm:smollm2@CHECKPOINT`` plays episodes on a server it
     starts from the checkpoint's weights; SIGKILLed mid-eval, the kernel's parent-death
-    signal stops the server, and the server its workers."""
+    signal stops the server, and the server its workers; the model written for the server
+    goes with the next run's scratch folder."""
     learner = LocalServiceClient(checkpoint_dir=tmp_path / "ck", device="cpu", threads=1)
     checkpoint = learner.create_lora_training_client("smollm2", rank=8).save_state(
         "c").result().path
     out = tmp_path / "eval"
+    temporary = Path(tempfile.gettempdir())
+    before = set(temporary.glob(f"{Scratch.PREFIX}*"))
     run = subprocess.Popen(
         [sys.executable, "-m", "agent_gym.cli", "eval", "agent_gym/Search-v0", "--policy",
          f"vllm:smollm2@{checkpoint}", "--episodes", "18", "--env-arg", "split=test",
@@ -261,6 +266,10 @@ def test_an_eval_on_a_checkpoint_samples_from_vllm_and_leaves_nothing_when_kille
     while time.monotonic() < deadline and any(_members(group) for group in servers):
         time.sleep(1)
     assert [_members(group) for group in servers] == [[] for _ in servers]
+    left = set(temporary.glob(f"{Scratch.PREFIX}*")) - before
+    assert any((folder / "model").is_dir() for folder in left)
+    Scratch.make().remove()
+    assert not any(folder.exists() for folder in left)
 
 
 def _members_of_children(parent: int) -> list[int]:
