@@ -1,8 +1,10 @@
-"""ALFWorld that moves: SFT on ``large_train`` walkthroughs against the base model, and GRPO
-from the SFT checkpoint against SFT, on ALFWorld's held-out ``large_test`` games.
+"""ALFWorld that moves: SFT on ``large_train`` walkthroughs against the base model, GRPO
+from the SFT checkpoint against SFT, and TEMPO against GRPO at equal CPU, on ALFWorld's
+held-out ``large_test`` games.
 
     python benchmarks/bench_alfworld_sft.py [--work DIR] [--demos 200] [--held-out 240]
-                                            [--grpo-steps 8] [--group-size 8] [--seed 0]
+                                            [--grpo-steps 8] [--group-size 8]
+                                            [--arm grpo|tempo] [--seed 0]
 
 Every stage resumes where it stopped (rerun with the same ``--work`` to continue, or to only
 rewrite the record):
@@ -21,13 +23,18 @@ rewrite the record):
    preferred (``--task-sampler mixed``) and a step rolls out more tasks until it has 4
    groups with a learning signal (``--dynamic-sampling``, at most ``--max-refill-groups``
    more);
-5. the GRPO checkpoint on the same held-out games; each stage against the one before,
-   paired by game (Newcombe's paired 95% interval, as ``agent-gym compare`` gives it).
+   or, with ``--arm tempo``, ``agent-gym train tempo --init-from SFT`` until it has spent
+   the CPU seconds (trainer and engine) of the finished GRPO run of its seed
+   (``--cpu-budget``), on the Search bench's TEMPO recipe with 5-turn macro-steps
+   (``ALFWORLD_TEMPO``);
+5. that checkpoint on the same held-out games; each stage against the one before, and TEMPO
+   against GRPO seed by seed, paired by game (Newcombe's paired 95% interval, as
+   ``agent-gym compare`` gives it).
 
 Every eval samples from one vLLM server (merged weights, reloaded per checkpoint) when ``make
-setup`` has built its venv, else from the local sampler; GRPO samples from a vLLM server of
-its own (or the local sampler), so its metrics carry the engine's CPU seconds step by step
-and a run stopped part way keeps them. CPU seconds per arm: the trainer's own
+setup`` has built its venv, else from the local sampler; GRPO and TEMPO sample from a vLLM
+server of their own (or the local sampler), so their metrics carry the engine's CPU seconds
+step by step and a run stopped part way keeps them. CPU seconds per arm: the trainer's own
 (``cpu_step``) plus its engine's (``engine_cpu_step``).
 """
 
@@ -42,11 +49,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import RESULTS, Result  # noqa: E402
+from bench_search_rl import TEMPO_RECIPE, checkpoint_step  # noqa: E402
+from harness import RESULTS, Result, paired, summary  # noqa: E402
 
-from agent_gym.eval.compare import compare  # noqa: E402
-from agent_gym.eval.runs import read_run  # noqa: E402
-from agent_gym_train import grpo, sft  # noqa: E402
+from agent_gym_train import grpo, sft, tempo  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
 from agent_gym_train.backends.vllm import vllm_python  # noqa: E402
 from agent_gym_train.demo import HeldOut, Players, demonstrations  # noqa: E402
@@ -62,21 +68,11 @@ TRAIN = {"protocol": "text", "split": "large_train"}
 TEST = HeldOut(ENV_ID, {"protocol": "text", "split": "large_test", "max_turns": MAX_TURNS},
                MAX_TOKENS)
 GRPO_TASKS = 4
-
-
-def summary(run: Path) -> dict[str, Any]:
-    saved = json.loads((run / "summary.json").read_text())
-    return {key: saved[key] for key in ("episodes", "success_rate", "success_low",
-                                        "success_high", "mean_turns", "cut_replies")}
-
-
-def paired(before: Path, after: Path) -> dict[str, Any]:
-    """``after`` minus ``before``, paired by task: Newcombe's 95% interval and the counts."""
-    result = compare([read_run(before)], [read_run(after)], "before", "after").overall
-    return {"difference": round(result.difference, 3),
-            "ci95": [round(result.low, 3), round(result.high, 3)],
-            "both": result.both, "only_before": result.only_a, "only_after": result.only_b,
-            "neither": result.neither}
+# TEMPO's recipe on Search-v0 (fixed before any run there), with macro-steps of 5 turns
+# instead of 2: a third of an ALFWorld episode, as 2 was half of a Search one, so a
+# 15-turn episode leaves states at turns 5 and 10 for TD updates to resume from
+ALFWORLD_TEMPO = TEMPO_RECIPE | {"horizon": 5}
+ARMS = ("grpo", "tempo")
 
 
 def training(run: Path) -> dict[str, Any]:
@@ -93,6 +89,17 @@ def training(run: Path) -> dict[str, Any]:
                     "refill_groups": sum(row["refill_groups"] for row in rows),
                     "degenerate_groups": sum(row["degenerate_groups"] for row in rows),
                     "training_reward_by_step": [round(row["reward_mean"], 3) for row in rows]}
+    if rows and "phase" in rows[0]:  # TEMPO: its TD updates are the ones that train the actor
+        td = [row for row in rows if row["phase"] == "td"]
+        figures |= {"td_updates": len(td),
+                    "actor_datums": sum(row.get("actor/datums") or 0 for row in td),
+                    "actor_degenerate_group_rate_mean": round(
+                        sum(row["actor/degenerate_group_rate"] for row in td) / len(td), 3)
+                    if td else None,
+                    "critic_abs_error_mean": round(
+                        sum(row["critic/abs_error_mean"] for row in rows) / len(rows), 3),
+                    "critic_abs_error_constant_mean": round(
+                        sum(row["critic/abs_error_constant"] for row in rows) / len(rows), 3)}
     return figures
 
 
@@ -106,6 +113,9 @@ def main() -> int:
                         help="GRPO updates from the SFT checkpoint (0: stop after SFT)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--max-refill-groups", type=int, default=8)
+    parser.add_argument("--arm", choices=ARMS, default="grpo",
+                        help="what trains from the SFT checkpoint: GRPO, or TEMPO until it has "
+                        "spent the CPU seconds of the finished GRPO run of its --seed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(RESULTS / "alfworld_sft.json"))
     args = parser.parse_args()
@@ -116,8 +126,8 @@ def main() -> int:
     options = argparse.Namespace(sampler=sampler, device="cpu", threads=threads,
                                  progress=False)
     record = Result(placeholders={str(work): "$WORK"})
-    oracle, sft_run, grpo_run = work / "oracle", work / "sft", work / f"grpo-seed{args.seed}"
-    evals = {name: work / f"eval-{name}" for name in ("base", "sft", f"grpo-seed{args.seed}")}
+    oracle, sft_run = work / "oracle", work / "sft"
+    grpo_run, run = work / f"grpo-seed{args.seed}", work / f"{args.arm}-seed{args.seed}"
     players = Players(work, options, TEST)
     try:
         print(f"the oracle on {args.demos} large_train games, then SFT", flush=True)
@@ -127,9 +137,11 @@ def main() -> int:
                               out=str(sft_run), seed=0, device="cpu", threads=threads,
                               progress=False))
         print(f"base and SFT on {args.held_out} large_test games", flush=True)
-        players.held_out(None, evals["base"], args.held_out)
-        players.held_out(sft_run, evals["sft"], args.held_out)
-        if args.grpo_steps:
+        players.held_out(None, work / "eval-base", args.held_out)
+        players.held_out(sft_run, work / "eval-sft", args.held_out)
+        # Each arm samples from a vLLM server of its own (or the local sampler)
+        rollouts = players.rollouts() | {"vllm_url": None}
+        if args.arm == "grpo" and args.grpo_steps:
             print(f"GRPO, {args.grpo_steps} updates", flush=True)
             grpo.train(with_preset(
                 grpo.Args, "cpu-demo", env_id=ENV_ID, env_kwargs=TRAIN,
@@ -138,10 +150,22 @@ def main() -> int:
                 max_trajectory_tokens=MAX_TRAJECTORY_TOKENS, learning_rate=1e-4,
                 task_sampler="mixed", dynamic_sampling=True,
                 max_refill_groups=args.max_refill_groups, steps=args.grpo_steps,
-                save_every=1, seed=args.seed, out=str(grpo_run), device="cpu",
-                threads=threads, progress=False,
-                **(players.rollouts() | {"vllm_url": None})))  # its own server
-            players.held_out(grpo_run, evals[f"grpo-seed{args.seed}"], args.held_out)
+                save_every=1, seed=args.seed, out=str(run), device="cpu",
+                threads=threads, progress=False, **rollouts))
+        elif args.arm == "tempo":
+            if checkpoint_step(grpo_run) < args.grpo_steps:
+                raise SystemExit(f"TEMPO spends the CPU seconds of {grpo_run.name}: run it "
+                                 f"first (--arm grpo --seed {args.seed})")
+            budget = training(grpo_run)["cpu_seconds"]
+            print(f"TEMPO until {budget:.0f} CPU seconds", flush=True)
+            tempo.train(tempo.Args(
+                env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
+                max_tokens=MAX_TOKENS, max_turns=MAX_TURNS,
+                max_trajectory_tokens=MAX_TRAJECTORY_TOKENS, seed=args.seed,
+                cpu_budget=budget, save_every=1, out=str(run), device="cpu",
+                threads=threads, progress=False, **rollouts, **ALFWORLD_TEMPO))
+        if checkpoint_step(run):
+            players.held_out(run, work / f"eval-{run.name}", args.held_out)
     finally:
         players.close()
     record.figures = figures(work, args, sampler)
@@ -151,16 +175,22 @@ def main() -> int:
 
 
 def figures(work: Path, args: argparse.Namespace, sampler: str) -> dict[str, Any]:
-    """The record of what ``work`` holds: SFT, every GRPO seed run there (its held-out eval
-    and the comparison with SFT once it has one), their comparisons."""
-    grpo_runs: dict[str, dict[str, Any]] = {}
-    for found in sorted(work.glob("grpo-seed*/metrics.jsonl")):
-        run = found.parent
-        grpo_runs[run.name] = {"training": training(run)}
-        evaluated = work / f"eval-{run.name}"
-        if (evaluated / "summary.json").is_file():
-            grpo_runs[run.name] |= {"held_out": summary(evaluated),
-                                    "minus_sft": paired(work / "eval-sft", evaluated)}
+    """The record of what ``work`` holds: SFT, every GRPO and TEMPO seed run there (its
+    held-out eval and the comparison with SFT once it has one), TEMPO against GRPO seed by
+    seed."""
+    arms: dict[str, dict[str, dict[str, Any]]] = {arm: {} for arm in ARMS}
+    for arm in ARMS:
+        for found in sorted(work.glob(f"{arm}-seed*/metrics.jsonl")):
+            run = found.parent
+            arms[arm][run.name] = {"training": training(run)}
+            evaluated = work / f"eval-{run.name}"
+            if (evaluated / "summary.json").is_file():
+                arms[arm][run.name] |= {"held_out": summary(evaluated),
+                                        "minus_sft": paired(work / "eval-sft", evaluated)}
+    tempo_minus_grpo = {
+        name: paired(work / f"eval-{name.replace('tempo', 'grpo')}", work / f"eval-{name}")
+        for name, run in arms["tempo"].items()
+        if "held_out" in run and "held_out" in arms["grpo"].get(name.replace("tempo", "grpo"), {})}
     return {
         "env_id": ENV_ID, "train": TRAIN, "held_out": TEST.env_kwargs,
         "held_out_games": args.held_out, "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
@@ -174,7 +204,10 @@ def figures(work: Path, args: argparse.Namespace, sampler: str) -> dict[str, Any
         "sft": summary(work / "eval-sft"),
         "sft_training": training(work / "sft"),
         "sft_minus_base": paired(work / "eval-base", work / "eval-sft"),
-        "grpo": grpo_runs,
+        "grpo": arms["grpo"],
+        # TEMPO against GRPO at the GRPO run's CPU seconds (trainer and engine), per seed
+        "tempo": {"recipe": ALFWORLD_TEMPO, "runs": arms["tempo"],
+                  "minus_grpo": tempo_minus_grpo},
     }
 
 

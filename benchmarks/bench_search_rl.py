@@ -43,8 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_alfworld_sft import paired, summary  # noqa: E402
-from harness import RESULTS, Result  # noqa: E402
+from harness import RESULTS, Result, paired, summary  # noqa: E402
 
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402

@@ -44,9 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_alfworld_sft import summary  # noqa: E402
 from bench_search_rl import checkpoint_step  # noqa: E402
-from harness import RESULTS, Result  # noqa: E402
+from harness import RESULTS, Result, summary  # noqa: E402
 
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.env import describe_env  # noqa: E402

@@ -28,8 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_search_rl import paired  # noqa: E402
-from harness import RESULTS, Result  # noqa: E402
+from harness import RESULTS, Result, paired  # noqa: E402
 
 from agent_gym.cli.main import main as agent_gym  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402

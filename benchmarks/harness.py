@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym.durable import replace_file
+from agent_gym.eval.compare import compare
+from agent_gym.eval.runs import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -56,6 +58,23 @@ def timed(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return figures | {"section_seconds": round(time.perf_counter() - started, 1),
                       "load_average_start": [round(x, 2) for x in load_start],
                       "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+
+
+def summary(run: Path) -> dict[str, Any]:
+    """An eval run's held-out figures, from its ``summary.json``."""
+    saved = json.loads((run / "summary.json").read_text())
+    return {key: saved[key] for key in ("episodes", "success_rate", "success_low",
+                                        "success_high", "mean_turns", "cut_replies")}
+
+
+def paired(before: Path, after: Path) -> dict[str, Any]:
+    """Eval run ``after`` minus ``before``, paired by task: Newcombe's 95% interval and the
+    counts, as ``agent-gym compare`` gives them."""
+    result = compare([read_run(before)], [read_run(after)], "before", "after").overall
+    return {"difference": round(result.difference, 3),
+            "ci95": [round(result.low, 3), round(result.high, 3)],
+            "both": result.both, "only_before": result.only_a, "only_after": result.only_b,
+            "neither": result.neither}
 
 
 def figures_in(path: str | Path) -> dict[str, Any]:
