@@ -75,6 +75,12 @@ ALFWORLD_TEMPO = TEMPO_RECIPE | {"horizon": 5}
 ARMS = ("grpo", "tempo")
 
 
+def mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the metrics lines that have it."""
+    values = [row[key] for row in rows if row.get(key) is not None]
+    return round(sum(values) / len(values), 3) if values else None
+
+
 def training(run: Path) -> dict[str, Any]:
     """What a training run cost and saw, from its metrics lines."""
     rows = read_metrics(run / "metrics.jsonl")
@@ -93,13 +99,9 @@ def training(run: Path) -> dict[str, Any]:
         td = [row for row in rows if row["phase"] == "td"]
         figures |= {"td_updates": len(td),
                     "actor_datums": sum(row.get("actor/datums") or 0 for row in td),
-                    "actor_degenerate_group_rate_mean": round(
-                        sum(row["actor/degenerate_group_rate"] for row in td) / len(td), 3)
-                    if td else None,
-                    "critic_abs_error_mean": round(
-                        sum(row["critic/abs_error_mean"] for row in rows) / len(rows), 3),
-                    "critic_abs_error_constant_mean": round(
-                        sum(row["critic/abs_error_constant"] for row in rows) / len(rows), 3)}
+                    "actor_degenerate_group_rate_mean": mean(td, "actor/degenerate_group_rate"),
+                    "critic_abs_error_mean": mean(rows, "critic/abs_error_mean"),
+                    "critic_abs_error_constant_mean": mean(rows, "critic/abs_error_constant")}
     return figures
 
 
