@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_search_rl import TEMPO_RECIPE, checkpoint_step  # noqa: E402
-from harness import RESULTS, Result, paired, summary  # noqa: E402
+from harness import RESULTS, Result, metric_mean, paired, summary  # noqa: E402
 
 from agent_gym_train import grpo, sft, tempo  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
@@ -75,12 +75,6 @@ ALFWORLD_TEMPO = TEMPO_RECIPE | {"horizon": 5}
 ARMS = ("grpo", "tempo")
 
 
-def mean(rows: list[dict[str, Any]], key: str) -> float | None:
-    """The mean of ``key`` over the metrics lines that have it."""
-    values = [row[key] for row in rows if row.get(key) is not None]
-    return round(sum(values) / len(values), 3) if values else None
-
-
 def training(run: Path) -> dict[str, Any]:
     """What a training run cost and saw, from its metrics lines."""
     rows = read_metrics(run / "metrics.jsonl")
@@ -99,9 +93,11 @@ def training(run: Path) -> dict[str, Any]:
         td = [row for row in rows if row["phase"] == "td"]
         figures |= {"td_updates": len(td),
                     "actor_datums": sum(row.get("actor/datums") or 0 for row in td),
-                    "actor_degenerate_group_rate_mean": mean(td, "actor/degenerate_group_rate"),
-                    "critic_abs_error_mean": mean(rows, "critic/abs_error_mean"),
-                    "critic_abs_error_constant_mean": mean(rows, "critic/abs_error_constant")}
+                    "actor_degenerate_group_rate_mean": metric_mean(
+                        td, "actor/degenerate_group_rate", 3),
+                    "critic_abs_error_mean": metric_mean(rows, "critic/abs_error_mean", 3),
+                    "critic_abs_error_constant_mean": metric_mean(
+                        rows, "critic/abs_error_constant", 3)}
     return figures
 
 
@@ -155,7 +151,7 @@ def main() -> int:
                 save_every=1, seed=args.seed, out=str(run), device="cpu",
                 threads=threads, progress=False, **rollouts))
         elif args.arm == "tempo":
-            if checkpoint_step(grpo_run) < args.grpo_steps:
+            if checkpoint_step(grpo_run) < max(args.grpo_steps, 1):
                 raise SystemExit(f"TEMPO spends the CPU seconds of {grpo_run.name}: run it "
                                  f"first (--arm grpo --seed {args.seed})")
             budget = training(grpo_run)["cpu_seconds"]
@@ -189,10 +185,11 @@ def figures(work: Path, args: argparse.Namespace, sampler: str) -> dict[str, Any
             if (evaluated / "summary.json").is_file():
                 arms[arm][run.name] |= {"held_out": summary(evaluated),
                                         "minus_sft": paired(work / "eval-sft", evaluated)}
-    tempo_minus_grpo = {
-        name: paired(work / f"eval-{name.replace('tempo', 'grpo')}", work / f"eval-{name}")
-        for name, run in arms["tempo"].items()
-        if "held_out" in run and "held_out" in arms["grpo"].get(name.replace("tempo", "grpo"), {})}
+    tempo_minus_grpo: dict[str, dict[str, Any]] = {}
+    for name, run in arms["tempo"].items():
+        grpo_name = name.replace("tempo", "grpo", 1)
+        if "held_out" in run and "held_out" in arms["grpo"].get(grpo_name, {}):
+            tempo_minus_grpo[name] = paired(work / f"eval-{grpo_name}", work / f"eval-{name}")
     return {
         "env_id": ENV_ID, "train": TRAIN, "held_out": TEST.env_kwargs,
         "held_out_games": args.held_out, "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,

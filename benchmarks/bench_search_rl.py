@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import RESULTS, Result, paired, summary  # noqa: E402
+from harness import RESULTS, Result, metric_mean, paired, summary  # noqa: E402
 
 from agent_gym.durable import replace_file  # noqa: E402
 from agent_gym.eval.runs import read_run  # noqa: E402
@@ -91,8 +91,7 @@ def training(run: Path, engine_cpu: float | None) -> dict[str, Any]:
     actor = "actor/" if rows and "phase" in rows[0] else ""
 
     def mean(key: str) -> float | None:
-        values = [row[key] for row in rows if row.get(key) is not None]
-        return round(sum(values) / len(values), 4) if values else None
+        return metric_mean(rows, key)
 
     return {"updates": len(rows),
             "td_updates": sum(row["phase"] == "td" for row in rows) if actor else None,

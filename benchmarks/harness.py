@@ -77,6 +77,12 @@ def paired(before: Path, after: Path) -> dict[str, Any]:
             "neither": result.neither}
 
 
+def metric_mean(rows: list[dict[str, Any]], key: str, digits: int = 4) -> float | None:
+    """The mean of ``key`` over a run's metrics lines that have it (``None``: none has)."""
+    values = [row[key] for row in rows if row.get(key) is not None]
+    return round(sum(values) / len(values), digits) if values else None
+
+
 def figures_in(path: str | Path) -> dict[str, Any]:
     """The figures of a result file already written, without its run's keys (``RUN_KEYS``).
 
