@@ -7,7 +7,11 @@ held-out ``large_test`` games.
                                             [--arm grpo|tempo] [--seed 0]
 
 Every stage resumes where it stopped (rerun with the same ``--work`` to continue, or to only
-rewrite the record):
+rewrite the record). The record keeps the GRPO and TEMPO runs it holds whose directories
+``--work`` has lost (a fresh checkout, a seed run on another day) when the SFT stage there
+has the recorded weights (by their SHA-256), and refuses, before training, to overwrite runs
+of another SFT checkpoint; each eval's solved games are recorded so a later TEMPO seed pairs
+with its GRPO seed without that run's directory:
 
 1. the oracle on the first ``--demos`` games of ``large_train`` (960 games): the
    walkthroughs;
@@ -41,8 +45,10 @@ step by step and a run stopped part way keeps them. CPU seconds per arm: the tra
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +56,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_search_rl import TEMPO_RECIPE, checkpoint_step  # noqa: E402
-from harness import RESULTS, Result, metric_mean, paired, summary  # noqa: E402
+from harness import (  # noqa: E402
+    RESULTS,
+    Result,
+    figures_in,
+    metric_mean,
+    paired,
+    paired_solved,
+    solved,
+    summary,
+)
 
 from agent_gym_train import grpo, sft, tempo  # noqa: E402
 from agent_gym_train.backends.runtime import available_cores  # noqa: E402
@@ -73,6 +88,8 @@ GRPO_TASKS = 4
 # 15-turn episode leaves states at turns 5 and 10 for TD updates to resume from
 ALFWORLD_TEMPO = TEMPO_RECIPE | {"horizon": 5}
 ARMS = ("grpo", "tempo")
+# A run's record, keyed by what the results file says of it
+Record = dict[str, Any]
 
 
 def training(run: Path) -> dict[str, Any]:
@@ -99,6 +116,62 @@ def training(run: Path) -> dict[str, Any]:
                     "critic_abs_error_constant_mean": metric_mean(
                         rows, "critic/abs_error_constant", 3)}
     return figures
+
+
+def held_out(evaluated: Path) -> Record:
+    """An eval's figures and the games it solved, which pair a later run with it after
+    ``evaluated`` is gone."""
+    return summary(evaluated) | {"solved": solved(evaluated)}
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """What a results file records of runs its bench's ``--work`` no longer holds."""
+
+    runs: dict[str, dict[str, Record]]  # by arm, then by run name
+    tempo_minus_grpo: dict[str, Record]  # by TEMPO run name
+
+
+def recorded_runs(record: Record, arm: str) -> dict[str, Record]:
+    return record.get("tempo", {}).get("runs", {}) if arm == "tempo" else record.get(arm, {})
+
+
+def earlier_runs(out: Path, work: Path) -> Earlier:
+    """The GRPO and TEMPO runs ``out`` records that ``work`` does not hold (a new checkout
+    starts without ``runs/``, and a seed's runs take longer than a sitting): the new record
+    keeps them, and a TEMPO seed takes its budget from its GRPO run there. They count only
+    beside the SFT checkpoint they trained from, so a record of runs from another one stops
+    the bench before any training rather than be overwritten."""
+    record = figures_in(out)
+    kept = {arm: {name: run for name, run in recorded_runs(record, arm).items()
+                  if not (work / name / "metrics.jsonl").is_file()} for arm in ARMS}
+    if any(kept.values()) and record.get("sft_weights_sha256") != sft_weights(work):
+        raise SystemExit(f"{out} holds runs trained from another SFT checkpoint than "
+                         f"{work / 'sft'}'s (or one it names by no hash): pass another --out")
+    pairs = record.get("tempo", {}).get("minus_grpo", {})
+    return Earlier(kept, {name: pairs[name] for name in kept["tempo"] if name in pairs})
+
+
+def sft_weights(work: Path) -> str:
+    """The SHA-256 of the SFT run's final weights: what names the checkpoint every recorded
+    run trained from (a rebuilt SFT stage need not reproduce it bit for bit)."""
+    final = Path(json.loads((work / "sft" / "checkpoint.json").read_text())["path"])
+    return hashlib.sha256((final / "weights.safetensors").read_bytes()).hexdigest()
+
+
+def demonstrations_used(work: Path) -> Record:
+    return json.loads((work / "sft" / "demonstrations.json").read_text())
+
+
+def grpo_budget(grpo_run: Path, recorded: Record | None, steps: int) -> float:
+    """The CPU seconds (trainer and engine) of the finished GRPO run TEMPO is held to: from
+    its directory, or from the record when the directory is gone."""
+    figures = training(grpo_run) if checkpoint_step(grpo_run) else (recorded or {}).get(
+        "training", {})
+    if figures.get("steps", 0) < steps:
+        raise SystemExit(f"TEMPO spends the CPU seconds of {grpo_run.name}: run it first "
+                         f"(--arm grpo --seed {grpo_run.name.removeprefix('grpo-seed')})")
+    return figures["cpu_seconds"]
 
 
 def main() -> int:
@@ -137,6 +210,7 @@ def main() -> int:
         print(f"base and SFT on {args.held_out} large_test games", flush=True)
         players.held_out(None, work / "eval-base", args.held_out)
         players.held_out(sft_run, work / "eval-sft", args.held_out)
+        earlier = earlier_runs(Path(args.out), work)
         # Each arm samples from a vLLM server of its own (or the local sampler)
         rollouts = players.rollouts() | {"vllm_url": None}
         if args.arm == "grpo" and args.grpo_steps:
@@ -151,10 +225,8 @@ def main() -> int:
                 save_every=1, seed=args.seed, out=str(run), device="cpu",
                 threads=threads, progress=False, **rollouts))
         elif args.arm == "tempo":
-            if checkpoint_step(grpo_run) < max(args.grpo_steps, 1):
-                raise SystemExit(f"TEMPO spends the CPU seconds of {grpo_run.name}: run it "
-                                 f"first (--arm grpo --seed {args.seed})")
-            budget = training(grpo_run)["cpu_seconds"]
+            budget = grpo_budget(grpo_run, earlier.runs["grpo"].get(grpo_run.name),
+                                 max(args.grpo_steps, 1))
             print(f"TEMPO until {budget:.0f} CPU seconds", flush=True)
             tempo.train(tempo.Args(
                 env_id=ENV_ID, env_kwargs=TRAIN, init_from=str(sft_run),
@@ -166,47 +238,56 @@ def main() -> int:
             players.held_out(run, work / f"eval-{run.name}", args.held_out)
     finally:
         players.close()
-    record.figures = figures(work, args, sampler)
+    record.figures = figures(work, args, sampler, earlier)
     record.write(args.out)
     print(json.dumps(record.figures, indent=1))
     return 0
 
 
-def figures(work: Path, args: argparse.Namespace, sampler: str) -> dict[str, Any]:
-    """The record of what ``work`` holds: SFT, every GRPO and TEMPO seed run there (its
-    held-out eval and the comparison with SFT once it has one), TEMPO against GRPO seed by
-    seed."""
-    arms: dict[str, dict[str, dict[str, Any]]] = {arm: {} for arm in ARMS}
+def figures(work: Path, args: argparse.Namespace, sampler: str, earlier: Earlier
+            ) -> dict[str, Any]:
+    """The record of what ``work`` holds and ``earlier`` recorded: SFT, every GRPO and TEMPO
+    seed run (its held-out eval and the comparison with SFT once it has one), TEMPO against
+    GRPO seed by seed."""
+    arms: dict[str, dict[str, Record]] = {arm: {} for arm in ARMS}
     for arm in ARMS:
         for found in sorted(work.glob(f"{arm}-seed*/metrics.jsonl")):
             run = found.parent
             arms[arm][run.name] = {"training": training(run)}
             evaluated = work / f"eval-{run.name}"
             if (evaluated / "summary.json").is_file():
-                arms[arm][run.name] |= {"held_out": summary(evaluated),
+                arms[arm][run.name] |= {"held_out": held_out(evaluated),
                                         "minus_sft": paired(work / "eval-sft", evaluated)}
-    tempo_minus_grpo: dict[str, dict[str, Any]] = {}
+        arms[arm] = dict(sorted((earlier.runs[arm] | arms[arm]).items()))
+    tempo_minus_grpo = dict(earlier.tempo_minus_grpo)
     for name, run in arms["tempo"].items():
         grpo_name = name.replace("tempo", "grpo", 1)
-        if "held_out" in run and "held_out" in arms["grpo"].get(grpo_name, {}):
+        grpo_held_out = arms["grpo"].get(grpo_name, {}).get("held_out", {})
+        if name in earlier.runs["tempo"] or "held_out" not in run or not grpo_held_out:
+            continue
+        if (work / f"eval-{grpo_name}").is_dir():
             tempo_minus_grpo[name] = paired(work / f"eval-{grpo_name}", work / f"eval-{name}")
+        elif "solved" in grpo_held_out:
+            tempo_minus_grpo[name] = paired_solved(grpo_held_out["solved"],
+                                                   run["held_out"]["solved"], args.held_out)
     return {
         "env_id": ENV_ID, "train": TRAIN, "held_out": TEST.env_kwargs,
         "held_out_games": args.held_out, "max_tokens": MAX_TOKENS, "max_turns": MAX_TURNS,
         "decoding": "greedy", "sampler": sampler, "threads": available_cores(),
-        "demonstrations": json.loads((work / "sft" / "demonstrations.json").read_text()),
+        "demonstrations": demonstrations_used(work),
         "grpo_recipe": {"tasks": GRPO_TASKS, "group_size": args.group_size,
                         "learning_rate": 1e-4, "temperature": 1.0, "task_sampler": "mixed",
                         "dynamic_sampling": True,
                         "max_refill_groups": args.max_refill_groups},
-        "base": summary(work / "eval-base"),
-        "sft": summary(work / "eval-sft"),
+        "base": held_out(work / "eval-base"),
+        "sft": held_out(work / "eval-sft"),
         "sft_training": training(work / "sft"),
+        "sft_weights_sha256": sft_weights(work),
         "sft_minus_base": paired(work / "eval-base", work / "eval-sft"),
         "grpo": arms["grpo"],
         # TEMPO against GRPO at the GRPO run's CPU seconds (trainer and engine), per seed
         "tempo": {"recipe": ALFWORLD_TEMPO, "runs": arms["tempo"],
-                  "minus_grpo": tempo_minus_grpo},
+                  "minus_grpo": dict(sorted(tempo_minus_grpo.items()))},
     }
 
 

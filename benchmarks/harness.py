@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_gym.durable import replace_file
-from agent_gym.eval.compare import compare
+from agent_gym.eval.compare import PairedDifference, compare, paired_difference
 from agent_gym.eval.runs import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,10 +67,29 @@ def summary(run: Path) -> dict[str, Any]:
                                         "success_high", "mean_turns", "cut_replies")}
 
 
+def solved(run: Path) -> list[str]:
+    """The tasks an eval run solved, by id: in a record beside its summary they let a later
+    run be paired with this one after the run's directory is gone (``paired_solved``)."""
+    return sorted(str(episode["task_id"]) for episode in read_run(run).episodes.values()
+                  if episode["success"])
+
+
 def paired(before: Path, after: Path) -> dict[str, Any]:
     """Eval run ``after`` minus ``before``, paired by task: Newcombe's 95% interval and the
     counts, as ``agent-gym compare`` gives them."""
-    result = compare([read_run(before)], [read_run(after)], "before", "after").overall
+    return _paired_figures(compare([read_run(before)], [read_run(after)], "before",
+                                   "after").overall)
+
+
+def paired_solved(before: list[str], after: list[str], tasks: int) -> dict[str, Any]:
+    """``paired`` from two records' ``solved`` lists, both runs having played the same
+    ``tasks`` tasks."""
+    a, b = set(before), set(after)
+    return _paired_figures(paired_difference(len(a & b), len(a - b), len(b - a),
+                                             tasks - len(a | b)))
+
+
+def _paired_figures(result: PairedDifference) -> dict[str, Any]:
     return {"difference": round(result.difference, 3),
             "ci95": [round(result.low, 3), round(result.high, 3)],
             "both": result.both, "only_before": result.only_a, "only_after": result.only_b,
