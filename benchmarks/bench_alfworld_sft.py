@@ -88,7 +88,7 @@ GRPO_TASKS = 4
 # 15-turn episode leaves states at turns 5 and 10 for TD updates to resume from
 ALFWORLD_TEMPO = TEMPO_RECIPE | {"horizon": 5}
 ARMS = ("grpo", "tempo")
-# A run's record, keyed by what the results file says of it
+# A section of the results file (a run's figures, an eval's), as its JSON reads
 Record = dict[str, Any]
 
 
