@@ -207,10 +207,10 @@ def main() -> int:
                               demos=str(oracle), max_trajectory_tokens=MAX_TRAJECTORY_TOKENS,
                               out=str(sft_run), seed=0, device="cpu", threads=threads,
                               progress=False))
+        earlier = earlier_runs(Path(args.out), work)  # before the evals: it may refuse
         print(f"base and SFT on {args.held_out} large_test games", flush=True)
         players.held_out(None, work / "eval-base", args.held_out)
         players.held_out(sft_run, work / "eval-sft", args.held_out)
-        earlier = earlier_runs(Path(args.out), work)
         # Each arm samples from a vLLM server of its own (or the local sampler)
         rollouts = players.rollouts() | {"vllm_url": None}
         if args.arm == "grpo" and args.grpo_steps:
